@@ -1,0 +1,26 @@
+# userdp: user-level DP fine-tuning, end to end.
+# Run: snakemake --cores 2   (see README.md). Config keys: config/README.md.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+# Our validation first (messages name the key and the allowed values), then
+# Snakemake's own validation of the same schema.
+include: "workflow/rules/common.smk"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/data.smk"
+include: "workflow/rules/plan.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

@@ -1,0 +1,1 @@
+"""Data: loaders per source, user grouping and split, contribution statistics, tokens."""

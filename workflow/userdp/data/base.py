@@ -1,0 +1,76 @@
+"""The interface every dataset source implements.
+
+A source turns a dataset spec from the config into a stream of Arrow record
+batches with (at least) the columns of `RAW_SCHEMA`:
+
+- `user_id` (string): the privacy unit (an account, a news domain, an author).
+- `text` (string): one example.
+- `source_split` (string, nullable): the source's own split where it has one
+  (Stack Overflow: train/heldout/test), else null.
+
+Streams are bounded in memory: sources yield batches of at most `batch_rows`
+rows and never hold a whole corpus as Python objects. Sources with a public
+(pretraining) part also yield its texts from `iter_public`.
+
+Errors in the input raise `userdp.errors.DataError` naming the file (and row
+or column) and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import pyarrow as pa
+
+RAW_SCHEMA = pa.schema(
+    [
+        pa.field("user_id", pa.string()),
+        pa.field("text", pa.string()),
+        pa.field("source_split", pa.string()),
+    ]
+)
+
+PUBLIC_SCHEMA = pa.schema([pa.field("text", pa.string())])
+
+
+class Source(Protocol):
+    name: str
+    spec: dict
+
+    def download(self) -> None:
+        """Fetch remote files into the data dir (a no-op for local/embedded sources)."""
+
+    def iter_batches(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
+        """Yield RAW_SCHEMA batches of the private (user) data."""
+
+    def has_public(self) -> bool:
+        """Whether this source has a public pretraining part."""
+
+    def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
+        """Yield PUBLIC_SCHEMA batches of public text (only if has_public())."""
+
+
+# source name -> factory(name, spec, data_dir, seed) -> Source
+REGISTRY: dict[str, Callable[[str, dict, Path, int], Source]] = {}
+
+
+def register(source: str):
+    def deco(factory):
+        REGISTRY[source] = factory
+        return factory
+
+    return deco
+
+
+def open_source(name: str, spec: dict, data_dir: str | Path = "data", seed: int = 0) -> Source:
+    """Build the Source for dataset `name` from its config spec."""
+    from . import sources  # noqa: F401  (imports every loader module, filling REGISTRY)
+    from ..errors import ConfigError
+
+    kind = spec.get("source")
+    if kind not in REGISTRY:
+        raise ConfigError(
+            f"datasets.{name}.source is {kind!r}; allowed values: {sorted(REGISTRY)}."
+        )
+    return REGISTRY[kind](name, spec, Path(data_dir) / name, seed)

@@ -1,0 +1,114 @@
+"""Atomic artifact writing and small readers.
+
+Every stage writes through these helpers: the content goes to a temporary
+file next to the target and is renamed into place only when complete, so a
+killed job never leaves a half-written file that looks finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
+    """Yield a temporary path in the target's folder; rename it to `path` on success.
+
+    On an exception the temporary file is removed and `path` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=suffix if suffix is not None else ".tmp", dir=path.parent
+    )
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy scalars and arrays, paths
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0:
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _clean_floats(obj: Any) -> Any:
+    """Replace non-finite floats by strings so the JSON stays standard."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
+    if isinstance(obj, dict):
+        return {k: _clean_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean_floats(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write `obj` as indented JSON, atomically. Infinite floats become "inf"."""
+    text = json.dumps(_clean_floats(json.loads(json.dumps(obj, default=_json_default))), indent=2, sort_keys=False)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text + "\n", encoding="utf-8")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def write_parquet(path: str | os.PathLike, table: pa.Table | Any) -> None:
+    """Write a pyarrow Table (or a pandas DataFrame) to Parquet, atomically."""
+    if not isinstance(table, pa.Table):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+class ParquetBatchWriter:
+    """Stream record batches into one Parquet file, renamed into place on close.
+
+    Use as a context manager; on an exception nothing is left at `path`.
+    """
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema):
+        self.path = Path(path)
+        self.schema = schema
+        self._ctx = atomic_path(self.path)
+        self._writer: pq.ParquetWriter | None = None
+        self.rows = 0
+
+    def __enter__(self) -> "ParquetBatchWriter":
+        tmp = self._ctx.__enter__()
+        self._writer = pq.ParquetWriter(tmp, self.schema)
+        return self
+
+    def write(self, batch: pa.RecordBatch | pa.Table) -> None:
+        assert self._writer is not None
+        if isinstance(batch, pa.RecordBatch):
+            batch = pa.Table.from_batches([batch])
+        self._writer.write_table(batch.cast(self.schema))
+        self.rows += batch.num_rows
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        assert self._writer is not None
+        self._writer.close()
+        return bool(self._ctx.__exit__(exc_type, exc, tb))
