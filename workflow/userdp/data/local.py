@@ -1,0 +1,343 @@
+"""The user's own data: one Parquet, JSON Lines or CSV file.
+
+Spec keys (`datasets.<name>.<key>`), defaults in brackets:
+
+- `path` (required): the file.
+- `format` [`auto`]: `parquet`, `jsonl` or `csv`; `auto` picks it from the
+  extension (.parquet/.pq, .jsonl/.ndjson, .csv).
+- `user_column` [`user_id`]: the column with the user id (the privacy unit).
+  Strings or integers; integers are turned into their decimal text.
+- `text_column` [`text`]: the column with one example's text.
+- `max_examples` [null]: stop after this many rows.
+
+Every file is streamed in batches: Parquet by row groups
+(`ParquetFile.iter_batches`), CSV with pyarrow's streaming reader
+(`pyarrow.csv.open_csv`, quoted newlines allowed), JSON Lines line by line
+with the standard `json` module. (pyarrow's JSON reader fixes each column's
+type from the first block, so numeric user ids followed by text ids fail, and
+its errors carry no line number; line-by-line parsing gives exact lines.)
+
+Bad input is a DataError naming the file, the row/line and column, and the
+fix: a missing or empty file, missing columns (listing those that exist),
+null or empty user ids, bytes that are not UTF-8 (with the byte offset), a
+file that is not in the declared format, or no rows at all. Empty or null
+texts are NOT errors: they are passed through and the prepare stage drops and
+counts them.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from ..errors import ConfigError, DataError
+from .base import RAW_SCHEMA, register
+from .spec_keys import check_keys, max_examples
+
+log = logging.getLogger(__name__)
+
+KEYS = {"path", "format", "user_column", "text_column"}
+FORMATS = ("parquet", "jsonl", "csv")
+EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
+
+# Row locator: batch-relative index -> "row 12" / "line 13" for messages.
+Locate = Callable[[int], str]
+
+
+def find_bad_utf8(path: Path, chunk_bytes: int = 1 << 20) -> tuple[int, int] | None:
+    """(byte offset, 1-based line) of the first invalid UTF-8 byte of a file, or None."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    offset, line = 0, 1
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(chunk_bytes)
+            final = not chunk
+            # exc.start counts from the decoder's buffered input: the incomplete
+            # sequence left over from the previous chunk, then this chunk.
+            pending = len(dec.getstate()[0])
+            try:
+                dec.decode(chunk, final=final)
+            except UnicodeDecodeError as exc:
+                bad = offset - pending + exc.start
+                with open(path, "rb") as again:
+                    line = again.read(bad).count(b"\n") + 1
+                return bad, line
+            if final:
+                return None
+            offset += len(chunk)
+
+
+class LocalSource:
+    """A local Parquet / JSON Lines / CSV file with user and text columns."""
+
+    def __init__(self, name: str, spec: dict, data_dir: Path, seed: int = 0):
+        check_keys(name, spec, KEYS)
+        self.name, self.spec, self.data_dir, self.seed = name, spec, Path(data_dir), seed
+        if not spec.get("path"):
+            raise ConfigError(f"datasets.{name}.path is required for source 'local': the Parquet/JSONL/CSV file.")
+        self.path = Path(spec["path"]).expanduser()
+        self.user_column = spec.get("user_column") or "user_id"
+        self.text_column = spec.get("text_column") or "text"
+        self.max_examples = max_examples(name, spec)
+        fmt = spec.get("format") or "auto"
+        if fmt == "auto":
+            suffix = self.path.suffix.lower()
+            if suffix not in EXTENSIONS:
+                raise ConfigError(
+                    f"datasets.{name}.format is auto but the extension of {self.path} ({suffix or 'none'}) is not "
+                    f"one of {sorted(EXTENSIONS)}; set datasets.{name}.format to one of {list(FORMATS)}."
+                )
+            fmt = EXTENSIONS[suffix]
+        if fmt not in FORMATS:
+            raise ConfigError(f"datasets.{name}.format is {fmt!r}; allowed values: auto, {', '.join(FORMATS)}.")
+        self.format = fmt
+
+    # ---------------------------------------------------------------- helpers
+
+    def _err(self, what: str) -> DataError:
+        return DataError(f"{self.path} (datasets.{self.name}, format {self.format}): {what}")
+
+    def _missing_columns(self, names: list[str]) -> DataError:
+        missing = [c for c in (self.user_column, self.text_column) if c not in names]
+        return self._err(
+            f"missing column(s) {missing}; the file has columns {names}. Rename the columns or set "
+            f"datasets.{self.name}.user_column / text_column."
+        )
+
+    def _check_file(self) -> None:
+        if not self.path.exists():
+            raise DataError(f"{self.path} (datasets.{self.name}.path) does not exist; fix the path.")
+        if not self.path.is_file():
+            raise DataError(f"{self.path} (datasets.{self.name}.path) is not a file; point it at one {self.format} file.")
+        if self.path.stat().st_size == 0:
+            raise self._err("the file is empty (0 bytes).")
+        with open(self.path, "rb") as fh:
+            head = fh.read(4)
+        if head == b"PAR1" and self.format != "parquet":
+            raise self._err(f"this is a Parquet file, not {self.format}; set datasets.{self.name}.format: parquet.")
+
+    def _as_text(self, arr: pa.Array, column: str, locate: Locate) -> pa.Array:
+        """A string array from string/large_string/binary (UTF-8 checked) columns."""
+        t = arr.type
+        if pa.types.is_dictionary(t):
+            arr, t = arr.cast(t.value_type), t.value_type
+        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t):
+            return arr.cast(pa.string())
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            try:
+                return arr.cast(pa.string())
+            except pa.ArrowInvalid:
+                for i, value in enumerate(arr.to_pylist()):
+                    if value is None:
+                        continue
+                    try:
+                        value.decode("utf-8")
+                    except UnicodeDecodeError as exc:
+                        raise self._err(
+                            f"{locate(i)}, column '{column}': byte {exc.start} of the value is not UTF-8 "
+                            f"({value[max(0, exc.start - 10):exc.start + 10]!r}); re-encode the file as UTF-8."
+                        ) from exc
+                raise
+        raise self._err(f"column '{column}' holds {t}, not text; store it as strings.")
+
+    def _check_users(self, users: pa.Array, locate: Locate) -> pa.Array:
+        t = users.type
+        if pa.types.is_integer(t):
+            users = users.cast(pa.string())
+        elif not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+                  or pa.types.is_large_binary(t) or pa.types.is_dictionary(t) or pa.types.is_null(t)):
+            raise self._err(f"column '{self.user_column}' holds {t}; user ids must be strings or integers.")
+        else:
+            users = self._as_text(users, self.user_column, locate)
+        bad = pc.or_kleene(pc.is_null(users), pc.equal(pc.utf8_trim_whitespace(users), ""))
+        bad = pc.fill_null(bad, False)
+        n_bad = pc.sum(bad).as_py() or 0
+        if n_bad:
+            i = pc.index(bad, True).as_py()
+            kind = "null" if users[i].as_py() is None else "empty"
+            raise self._err(
+                f"{locate(i)} has a {kind} user id in column '{self.user_column}' ({n_bad} such row(s) in "
+                "this batch); every row needs a user id: fill it in or drop those rows."
+            )
+        return users
+
+    def _raw(self, users: pa.Array, texts: pa.Array, locate: Locate) -> pa.RecordBatch:
+        users = self._check_users(users, locate)
+        texts = self._as_text(texts, self.text_column, locate)
+        return pa.RecordBatch.from_arrays(
+            [users, texts, pa.nulls(len(users), pa.string())], schema=RAW_SCHEMA
+        )
+
+    # ---------------------------------------------------------------- formats
+
+    def _iter_parquet(self, batch_rows: int) -> Iterator[pa.RecordBatch]:
+        try:
+            pf = pq.ParquetFile(self.path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise self._err(f"not a valid Parquet file ({exc}); check the file or set datasets.{self.name}.format.") from exc
+        names = pf.schema_arrow.names
+        if self.user_column not in names or self.text_column not in names:
+            raise self._missing_columns(names)
+        row0 = 0
+        try:
+            for batch in pf.iter_batches(batch_size=batch_rows, columns=[self.user_column, self.text_column]):
+                base = row0
+                yield self._raw(batch.column(0), batch.column(1), lambda i, b=base: f"row {b + i + 1}")
+                row0 += batch.num_rows
+        except pa.ArrowInvalid as exc:
+            raise self._err(f"reading rows after row {row0} failed: {exc}") from exc
+
+    def _iter_csv(self, batch_rows: int) -> Iterator[pa.RecordBatch]:
+        cols = [self.user_column, self.text_column]
+        try:
+            reader = pacsv.open_csv(
+                self.path,
+                read_options=pacsv.ReadOptions(block_size=1 << 22),
+                parse_options=pacsv.ParseOptions(newlines_in_values=True),
+                convert_options=pacsv.ConvertOptions(
+                    include_columns=cols, column_types={c: pa.string() for c in cols}
+                ),
+            )
+        except KeyError:  # ArrowKeyError: a column in include_columns is not in the header
+            with open(self.path, encoding="utf-8", errors="replace", newline="") as fh:
+                header = next(csv.reader(fh), [])
+            raise self._missing_columns(header) from None
+        except pa.ArrowInvalid as exc:
+            raise self._csv_error(exc, 0) from exc
+        row0 = 0
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except pa.ArrowInvalid as exc:
+                raise self._csv_error(exc, row0) from exc
+            for start in range(0, batch.num_rows, batch_rows):
+                part = batch.slice(start, batch_rows)
+                base = row0 + start
+                yield self._raw(
+                    part.column(self.user_column),
+                    part.column(self.text_column),
+                    lambda i, b=base: f"row {b + i + 1} (not counting the header)",
+                )
+            row0 += batch.num_rows
+
+    def _csv_error(self, exc: Exception, row0: int) -> DataError:
+        msg = str(exc)
+        if "UTF8" in msg or "utf8" in msg.lower():
+            where = find_bad_utf8(self.path)
+            if where is not None:
+                offset, line = where
+                return self._err(
+                    f"line {line} (byte offset {offset}) is not UTF-8; re-encode the file as UTF-8 "
+                    "(e.g. `iconv -f latin1 -t utf-8`)."
+                )
+        after = f" (after data row {row0})" if row0 else ""
+        return self._err(f"not a valid CSV file{after}: {msg}")
+
+    def _iter_jsonl(self, batch_rows: int) -> Iterator[pa.RecordBatch]:
+        users: list = []
+        texts: list = []
+        lines: list[int] = []
+
+        def flush() -> pa.RecordBatch:
+            ls = list(lines)
+            batch = self._raw(
+                pa.array(users, pa.string()), pa.array(texts, pa.string()), lambda i: f"line {ls[i]}"
+            )
+            users.clear()
+            texts.clear()
+            lines.clear()
+            return batch
+
+        offset = 0
+        seen_keys: list[str] | None = None
+        with open(self.path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                start, offset = offset, offset + len(raw)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise self._err(
+                        f"line {lineno} (byte offset {start + exc.start}) is not UTF-8; re-encode the file as UTF-8."
+                    ) from exc
+                if not line.strip():
+                    continue  # blank lines (e.g. a trailing one) carry no record
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise self._err(
+                        f"line {lineno} is not valid JSON ({exc.msg} at column {exc.colno}); the file must be "
+                        "JSON Lines: one JSON object per line."
+                    ) from exc
+                if not isinstance(obj, dict):
+                    raise self._err(f"line {lineno} holds a JSON {type(obj).__name__}, not an object; JSON Lines "
+                                    "needs one object per line.")
+                if seen_keys is None:
+                    seen_keys = list(obj)
+                    if self.user_column not in obj or self.text_column not in obj:
+                        raise self._missing_columns(seen_keys)
+                if self.user_column not in obj:
+                    raise self._err(f"line {lineno} has no key '{self.user_column}' (keys: {list(obj)}).")
+                user = obj[self.user_column]
+                if isinstance(user, int) and not isinstance(user, bool):
+                    user = str(user)
+                elif user is not None and not isinstance(user, str):
+                    raise self._err(f"line {lineno}: '{self.user_column}' is {user!r}; user ids must be strings or integers.")
+                text = obj.get(self.text_column)
+                if text is not None and not isinstance(text, str):
+                    raise self._err(f"line {lineno}: '{self.text_column}' is a {type(text).__name__}, not a string.")
+                users.append(user)
+                texts.append(text)
+                lines.append(lineno)
+                if len(users) >= batch_rows:
+                    yield flush()
+        if users:
+            yield flush()
+
+    # ---------------------------------------------------------------- Source
+
+    def download(self) -> None:
+        """Nothing to fetch; checks that the file exists."""
+        self._check_file()
+
+    def iter_batches(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
+        self._check_file()
+        reader = {"parquet": self._iter_parquet, "csv": self._iter_csv, "jsonl": self._iter_jsonl}[self.format]
+        left = self.max_examples
+        total = 0
+        for batch in reader(batch_rows):
+            if left is not None:
+                batch = batch.slice(0, left)
+                left -= batch.num_rows
+            total += batch.num_rows
+            if batch.num_rows:
+                yield batch
+            if left is not None and left <= 0:
+                break
+        if total == 0:
+            raise self._err(
+                "the file has no data rows; it needs at least one row with "
+                f"'{self.user_column}' and '{self.text_column}'."
+            )
+        log.info("%s: read %d rows from %s", self.name, total, self.path)
+
+    def has_public(self) -> bool:
+        return False
+
+    def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
+        return iter(())
+
+
+@register("local")
+def make_local(name: str, spec: dict, data_dir: Path, seed: int = 0) -> LocalSource:
+    return LocalSource(name, spec, data_dir, seed)
