@@ -8,6 +8,10 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+# Front page of `snakemake --report` (describes the whole pipeline).
+report: "workflow/report/workflow.rst"
+
+
 # Our validation first (messages name the key and the allowed values), then
 # Snakemake's own validation of the same schema.
 include: "workflow/rules/common.smk"
@@ -18,6 +22,10 @@ validate(config, "workflow/schemas/config.schema.yaml")
 
 include: "workflow/rules/data.smk"
 include: "workflow/rules/plan.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/figures.smk"
+include: "workflow/rules/experiments.smk"
 
 
 rule all:

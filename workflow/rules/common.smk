@@ -43,4 +43,14 @@ def plan_targets():
 
 
 def all_targets():
-    return data_targets() + plan_targets()
+    from userdp.training.targets import train_targets
+    from userdp.evaluation.targets import evaluation_targets
+    from userdp.experiments.mean_estimation import workflow_targets as mean_estimation_targets
+
+    return (
+        data_targets()
+        + plan_targets()
+        + train_targets(config)
+        + evaluation_targets(config)
+        + mean_estimation_targets()
+    )

@@ -1,0 +1,72 @@
+"""`python -m userdp epsilon|calibrate`: JSON fields, values, argument errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from userdp.cli import main
+from userdp.privacy import accounting as A
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "userdp", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_epsilon_json_matches_library():
+    p = run("epsilon", "--method", "els", "--noise-multiplier", "2", "--sampling-rate", "0.01", "--steps", "100",
+            "--group-size", "4", "--delta", "1e-6", "--json")
+    assert p.returncode == 0, p.stderr
+    rec = json.loads(p.stdout)
+    assert rec["method"] == "els" and rec["group_size"] == 4 and rec["steps"] == 100
+    assert rec["epsilon"] == pytest.approx(A.compute_epsilon("els", 2.0, 0.01, 100, 1e-6, 4), rel=1e-12)
+
+
+def test_calibrate_json_has_plan_fields(capsys):
+    assert main(["calibrate", "--method", "uls", "--epsilon", "2", "--delta", "1e-6", "--sampling-rate", "0.02",
+                 "--steps", "50", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    for key in ("method", "epsilon", "delta", "group_size", "sampling_rate", "steps", "noise_multiplier",
+                "epsilon_achieved", "accountant"):
+        assert key in rec
+    assert rec["epsilon_achieved"] <= 2.0
+    assert A.compute_epsilon("uls", rec["noise_multiplier"], 0.02, 50, 1e-6) <= 2.0
+
+
+def test_calibrate_inf_prints_inf(capsys):
+    assert main(["calibrate", "--method", "els", "--epsilon", "inf", "--delta", "1e-6", "--sampling-rate", "0.02",
+                 "--steps", "50", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["noise_multiplier"] == 0 and rec["epsilon_achieved"] == "inf"
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["calibrate", "--epsilon", "0"], "epsilon must be a number > 0"),
+        (["calibrate", "--epsilon", "-1"], "epsilon must be a number > 0"),
+        (["calibrate", "--epsilon", "1", "--sampling-rate", "1.5"], "sampling rate must be in (0, 1]"),
+        (["calibrate", "--epsilon", "1", "--sampling-rate", "0"], "sampling rate must be in (0, 1]"),
+        (["calibrate", "--epsilon", "1", "--group-size", "0"], "group size must be a whole number >= 1"),
+        (["calibrate", "--epsilon", "1", "--delta", "1"], "delta must be in (0, 1)"),
+        (["epsilon", "--noise-multiplier", "-2"], "noise multiplier must be"),
+    ],
+)
+def test_invalid_arguments_exit_2_with_message(args, needle, capsys):
+    base = {"--method": "els", "--sampling-rate": "0.01", "--steps": "10", "--delta": "1e-6"}
+    full = list(args)
+    for k, v in base.items():
+        if k not in full:
+            full += [k, v]
+    with pytest.raises(SystemExit) as exc:
+        main(full)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_infeasible_target_exits_2_with_reason():
+    p = run("calibrate", "--method", "els", "--epsilon", "0.01", "--delta", "1e-6", "--sampling-rate", "1",
+            "--steps", "10", "--group-size", "4", "--max-noise-multiplier", "5")
+    assert p.returncode == 2
+    assert "no noise multiplier up to" in p.stderr and "Traceback" not in p.stderr

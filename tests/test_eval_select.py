@@ -1,0 +1,58 @@
+"""Learning-rate selection: lowest validation loss wins, the chosen run's files are copied."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from userdp.evaluation.select import choose_learning_rate, pretrained_metrics, select, select_cell
+from userdp.io import read_json, write_json
+
+
+def ev(val, test):
+    return {"validation_loss": val, "test_loss": test, "test_loss_user_macro": test + 0.1,
+            "test_perplexity": math.exp(test), "test_accuracy": 0.3, "validation_accuracy": 0.3}
+
+
+def test_picks_minimum_validation_loss_not_test_loss():
+    evals = {0.001: ev(3.0, 2.0), 0.01: ev(2.5, 2.9), 0.1: ev(2.7, 1.0)}
+    out = select(evals)
+    assert out["learning_rate"] == 0.01
+    assert out["test_loss"] == 2.9  # reported on test users, chosen on validation users
+    assert out["validation_loss"] == 2.5
+    assert [r["learning_rate"] for r in out["learning_rate_sweep"]] == [0.001, 0.01, 0.1]
+    assert [r["validation_loss"] for r in out["learning_rate_sweep"]] == [3.0, 2.5, 2.7]
+
+
+def test_diverged_runs_never_win_and_ties_go_to_the_smaller_rate():
+    assert choose_learning_rate({0.1: math.nan, 0.01: 4.0, 1.0: "inf"}) == 0.01
+    assert choose_learning_rate({0.1: 2.0, 0.01: 2.0}) == 0.01
+    assert choose_learning_rate({0.1: math.nan, 0.3: math.nan}) == 0.1
+
+
+def test_select_cell_writes_metrics_and_copies_the_chosen_run(tmp_path):
+    lrs = [0.001, 0.01]
+    evals, ledgers, logs = [], [], []
+    for lr, val in zip(lrs, (3.0, 2.0)):
+        d = tmp_path / f"lr~{lr}"
+        write_json(d / "eval.json", ev(val, val - 0.5))
+        write_json(d / "ledger.json", {"which": lr})
+        pd.DataFrame({"step": [1, 2], "loss": [lr, lr]}).to_parquet(d / "train_log.parquet")
+        evals.append(str(d / "eval.json"))
+        ledgers.append(str(d / "ledger.json"))
+        logs.append(str(d / "train_log.parquet"))
+    select_cell(lrs, evals, ledgers, logs, str(tmp_path / "metrics.json"), str(tmp_path / "ledger.json"),
+                str(tmp_path / "train_log.parquet"))
+    m = read_json(tmp_path / "metrics.json")
+    assert m["learning_rate"] == 0.01 and m["test_loss"] == 1.5
+    for k in ("test_loss", "test_loss_user_macro", "test_perplexity", "test_accuracy", "validation_loss"):
+        assert k in m
+    assert read_json(tmp_path / "ledger.json") == {"which": 0.01}
+    assert pd.read_parquet(tmp_path / "train_log.parquet")["loss"].tolist() == [0.01, 0.01]
+
+
+def test_pretrained_metrics_have_the_same_fields_with_null_learning_rate():
+    cell = select({0.01: ev(2.0, 2.1)})
+    pre = pretrained_metrics(ev(4.0, 4.1))
+    assert set(cell) == set(pre)
+    assert pre["learning_rate"] is None and pre["test_loss"] == 4.1

@@ -1,0 +1,140 @@
+"""The accountants against dp-accounting events built here, and their properties."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+
+from userdp.errors import PrivacyError
+from userdp.privacy import accounting as A
+
+
+def reference_epsilon(event, delta, d):
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=d)
+    acc.compose(event)
+    return acc.get_epsilon(delta)
+
+
+def mog_event(sigma, q, T, G):
+    """The ELS mechanism written out independently of userdp."""
+    k = np.arange(G + 1)
+    p = stats.binom.pmf(k, G, q)
+    step = dp_accounting.dp_event.MixtureOfGaussiansDpEvent(sigma, [float(x) for x in k], [float(x) for x in p])
+    return dp_accounting.SelfComposedDpEvent(step, T)
+
+
+def poisson_event(sigma, q, T):
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), T
+    )
+
+
+@pytest.mark.parametrize(
+    "sigma,q,T,G",
+    [(1.0, 0.01, 100, 1), (1.5, 0.02, 50, 3), (4.0, 0.05, 20, 8), (0.8, 0.001, 200, 5), (12.0, 0.01, 100, 32)],
+)
+def test_els_matches_dp_accounting_mixture_event(sigma, q, T, G):
+    d = 1e-3  # the reference is slow at 1e-4; the code path is the same
+    ours = A.compute_epsilon("els", sigma, q, T, 1e-6, G, discretization=d)
+    ref = reference_epsilon(mog_event(sigma, q, T, G), 1e-6, d)
+    assert ours == pytest.approx(ref, rel=1e-6)
+
+
+def test_els_matches_at_fine_discretization():
+    ours = A.compute_epsilon("els", 3.0, 0.01, 100, 1e-5, 8)
+    ref = reference_epsilon(mog_event(3.0, 0.01, 100, 8), 1e-5, 1e-4)
+    assert ours == pytest.approx(ref, rel=1e-7)
+
+
+@pytest.mark.parametrize("sigma,q,T", [(0.7, 0.01, 100), (1.2, 0.1, 30), (3.0, 0.5, 10)])
+def test_uls_matches_poisson_event(sigma, q, T):
+    ours = A.compute_epsilon("uls", sigma, q, T, 1e-6, discretization=1e-3)
+    ref = reference_epsilon(poisson_event(sigma, q, T), 1e-6, 1e-3)
+    assert ours == pytest.approx(ref, rel=1e-6)
+
+
+@pytest.mark.parametrize("sigma,q,T", [(0.9, 0.01, 200), (2.0, 0.2, 20)])
+def test_els_with_one_example_per_user_is_the_poisson_subsampled_gaussian(sigma, q, T):
+    # Computed by dp-accounting from the two different events.
+    mog = reference_epsilon(mog_event(sigma, q, T, 1), 1e-6, 1e-3)
+    pois = reference_epsilon(poisson_event(sigma, q, T), 1e-6, 1e-3)
+    assert mog == pytest.approx(pois, rel=1e-6)
+    assert A.compute_epsilon("els", sigma, q, T, 1e-6, 1, discretization=1e-3) == pytest.approx(pois, rel=1e-6)
+
+
+def test_group_privacy_conversion_formula():
+    # Against a direct scan of the example-level curve.
+    sigma, q, T, G, delta = 3.0, 0.01, 100, 4, 1e-6
+    d = 1e-3
+    pld = A._composed_pld("poisson", sigma, q, T, 1, d)
+    grid = np.linspace(0.01, 5, 5000)
+    feasible = [e for e in grid if G * math.exp((G - 1) * e) * pld.get_delta_for_epsilon(e) <= delta]
+    expected = G * min(feasible)
+    got = A.compute_epsilon("group", sigma, q, T, delta, G, discretization=d)
+    assert got <= expected + 1e-9
+    assert got == pytest.approx(expected, abs=G * (grid[1] - grid[0]))
+
+
+@pytest.mark.parametrize("sigma,q,T,G", [(2.0, 0.01, 100, 2), (5.0, 0.02, 50, 8), (1.0, 0.05, 20, 4)])
+def test_tight_accountant_never_looser_than_group_privacy(sigma, q, T, G):
+    tight = A.compute_epsilon("els", sigma, q, T, 1e-6, G, discretization=1e-3)
+    group = A.compute_epsilon("group", sigma, q, T, 1e-6, G, discretization=1e-3)
+    assert tight <= group
+    assert tight < group * 0.999  # strictly better for G > 1
+
+
+def test_epsilon_increases_with_q_T_G_and_decreases_with_sigma():
+    base = dict(sigma=2.0, q=0.01, T=100, G=4)
+
+    def eps(sigma, q, T, G):
+        return A.compute_epsilon("els", sigma, q, T, 1e-6, G, discretization=1e-3)
+
+    e0 = eps(**base)
+    for key, values in {"q": [0.005, 0.01, 0.02, 0.05], "T": [25, 50, 100, 200], "G": [1, 2, 4, 8]}.items():
+        seq = [eps(**{**base, key: v}) for v in values]
+        assert all(a < b for a, b in zip(seq, seq[1:])), (key, seq)
+        assert e0 in seq
+    seq = [eps(**{**base, "sigma": s}) for s in [1.0, 1.5, 2.0, 3.0, 6.0]]
+    assert all(a > b for a, b in zip(seq, seq[1:])), seq
+    useq = [A.compute_epsilon("uls", s, 0.01, 100, 1e-6, discretization=1e-3) for s in [0.8, 1.0, 2.0]]
+    assert all(a > b for a, b in zip(useq, useq[1:]))
+
+
+def test_degenerate_cases():
+    assert A.compute_epsilon("els", 0.0, 0.01, 10, 1e-6, 4) == math.inf
+    assert A.compute_epsilon("uls", 0.0, 0.01, 10, 1e-6) == math.inf
+    assert A.compute_epsilon("els", 1.0, 0.01, 0, 1e-6, 4) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(method="els", noise_multiplier=-1.0), "noise multiplier"),
+        (dict(method="els", sampling_rate=0.0), "sampling rate"),
+        (dict(method="els", sampling_rate=1.5), "sampling rate"),
+        (dict(method="els", delta=1.0), "delta"),
+        (dict(method="els", delta=0.0), "delta"),
+        (dict(method="els", group_size=0), "group size"),
+        (dict(method="dp"), "method"),
+    ],
+)
+def test_invalid_arguments_raise_privacy_error(kwargs, needle):
+    args = dict(method="els", noise_multiplier=1.0, sampling_rate=0.01, steps=10, delta=1e-6, group_size=2)
+    args.update(kwargs)
+    with pytest.raises(PrivacyError, match=needle):
+        A.compute_epsilon(**args)
+
+
+def test_pruned_sensitivities_only_move_mass_up():
+    sens, probs = A.pruned_binomial_sensitivities(64, 0.01)
+    assert len(sens) < 65 and sens[-1] == 64.0
+    assert math.fsum(probs) == pytest.approx(1.0, abs=1e-12)
+    full_s, full_p = A.binomial_sensitivities(64, 0.01)
+    # Kept components are unchanged; the lumped mass equals the dropped tail.
+    k = len(sens) - 1
+    assert probs[:k] == full_p[:k]
+    assert probs[-1] == pytest.approx(math.fsum(full_p[k:]), rel=1e-6, abs=1e-300)

@@ -1,0 +1,247 @@
+"""The DP-SGD loop: expected-size division, noise, resume, ledger (invariants 10.2, 10.5, 10.6)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pyarrow.compute as pc
+import pytest
+import torch
+from scipy import stats
+
+from train_fixtures import SEQ, ConstantGradients, LoopGradients, plan_for, tiny_model, tokens_table
+from userdp.errors import ConfigError, DataError
+from userdp.io import read_json
+from userdp.training import engine
+from userdp.training.noise import GaussianNoise
+from userdp.training.optim import LRMultiplier
+from userdp.training.pool import build_pool
+
+
+def fake_epsilon(method, noise_multiplier, sampling_rate, steps, delta, group_size=1):
+    """A fast stand-in for the accountant where epsilon's value is not under test."""
+    return 1.0 + steps * sampling_rate / noise_multiplier
+
+
+@pytest.fixture(scope="module")
+def pool():
+    t = tokens_table(40, seed=3)
+    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
+    return build_pool(train, 3, seed=0)
+
+
+def settings(**kw):
+    base = dict(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, checkpoint_every=2, device="cpu",
+                log_every_s=0.0)
+    base.update(kw)
+    return engine.TrainSettings(**base)
+
+
+def seeds(method="els"):
+    return engine.run_seeds(0, 0, "tiny", method, "8", 100, 3)
+
+
+def params_vector(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("method", ["els", "uls"])
+@pytest.mark.parametrize("private", [True, False])
+def test_update_divides_by_expected_not_realised_size(tmp_path, pool, method, private):
+    model = tiny_model()
+    before = params_vector(model)
+    expected = 7.3  # not an integer: the realised count can never equal it
+    plan = plan_for(pool, method, expected=expected, steps=1, sigma=0.0, clip=1.0 if private else None)
+    out = engine.train(model, pool, plan, settings(optimizer="sgd", learning_rate=1.0), engine.RunPaths(tmp_path),
+                       seeds(method), 0, gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
+    realised = int(out.log["realised_units"].iloc[0])
+    assert realised > 0 and realised != expected
+    delta = params_vector(model) - before
+    # every unit adds 1 to every coordinate: SGD(lr=1) moves by -(realised / expected)
+    assert torch.allclose(delta, torch.full_like(delta, -realised / expected), atol=1e-6)
+    assert out.ledger["expected_batch"] == pytest.approx(expected)
+    if not private:
+        assert out.ledger["epsilon"] == math.inf and out.ledger["clip_norm"] is None
+
+
+def test_noise_std_and_fresh_every_step(tmp_path, pool):
+    model = tiny_model()
+    sigma, C, E = 2.0, 0.5, 4.0
+    plan = plan_for(pool, "els", expected=E, steps=2, sigma=sigma, clip=C)
+    deltas = []
+    prev = params_vector(model)
+
+    def record(step, row):
+        nonlocal prev
+        now = params_vector(model)
+        deltas.append((now - prev) * E)  # SGD lr=1 and zero gradients: delta = -noise / E
+        prev = now
+
+    # physical batch 1: many micro-batches per step, yet noise is added once per step
+    engine.train(model, pool, plan, settings(optimizer="sgd", learning_rate=1.0, physical_batch_size=1),
+                 engine.RunPaths(tmp_path), seeds(), 0,
+                 gradient_source=lambda m, c, normalize=False: ConstantGradients(m, c, value=0.0),
+                 compute_epsilon=fake_epsilon, on_step=record)
+    n = deltas[0].numel()
+    assert n > 3000
+    for d in deltas:
+        assert abs(float(d.std()) / (sigma * C) - 1) < 5 / math.sqrt(2 * n)
+        assert abs(float(d.mean())) < 5 * sigma * C / math.sqrt(n)
+        assert stats.kstest(d.numpy() / (sigma * C), "norm").pvalue > 1e-3
+    # fresh noise: the two steps' draws are uncorrelated
+    corr = float(np.corrcoef(deltas[0].numpy(), deltas[1].numpy())[0, 1])
+    assert abs(corr) < 5 / math.sqrt(n)
+
+
+def test_noise_generator_state_roundtrip():
+    p = torch.nn.Parameter(torch.zeros(1000))
+    p.grad = torch.zeros(1000)
+    a = GaussianNoise(1.0, 1.0, seed=5)
+    a.add_([p])
+    state = a.state_dict()
+    p.grad.zero_()
+    a.add_([p])
+    first = p.grad.clone()
+    b = GaussianNoise(1.0, 1.0, seed=123)
+    b.load_state_dict(state)
+    p.grad.zero_()
+    b.add_([p])
+    assert torch.equal(first, p.grad)
+    assert GaussianNoise(0.0, None, seed=0).std == 0.0
+
+
+class Crash(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("method,source", [("els", None), ("uls", None), ("uls", LoopGradients)])
+def test_resume_reproduces_uninterrupted_run(tmp_path, pool, method, source):
+    """Stopped-and-resumed and crashed-and-resumed runs end bitwise equal to an uninterrupted one.
+
+    source None = the engine's default, the real ClippedGradients.
+    """
+    T = 6
+    plan = plan_for(pool, method, expected=2.5, steps=T, sigma=0.7, clip=0.5)
+    s = settings(optimizer="adam", schedule="cosine", warmup_steps=2, physical_batch_size=4)
+
+    def run(path, **kw):
+        model = tiny_model(seed=1)
+        out = engine.train(model, pool, plan, s, engine.RunPaths(path), seeds(method), 0,
+                           gradient_source=source, compute_epsilon=fake_epsilon, **kw)
+        return model, out
+
+    ref_model, ref = run(tmp_path / "ref")
+    assert ref.complete and len(ref.log) == T
+
+    # (a) stop cleanly after 3 steps, then resume
+    steps_run = []
+    m1, out1 = run(tmp_path / "a", max_steps=3, on_step=lambda st, r: steps_run.append(st))
+    assert not out1.complete and out1.steps_completed == 3
+    assert (tmp_path / "a" / "checkpoint" / "state.pt").exists()
+    assert not (tmp_path / "a" / "ledger.json").exists()
+    m2, out2 = run(tmp_path / "a", on_step=lambda st, r: steps_run.append(st))
+    assert steps_run == list(range(1, T + 1))  # never more than T noisy steps in total
+    assert torch.equal(params_vector(m2), params_vector(ref_model))
+
+    # (b) crash inside step 5 (after the step-4 checkpoint); the rerun redoes step 5 from the checkpoint
+    def crash(st, r):
+        if st == 5:
+            raise Crash()
+
+    with pytest.raises(Crash):
+        run(tmp_path / "b", on_step=crash)
+    m3, out3 = run(tmp_path / "b")
+    assert torch.equal(params_vector(m3), params_vector(ref_model))
+
+    for path, out in ((tmp_path / "a", out2), (tmp_path / "b", out3)):
+        ledger = read_json(path / "ledger.json")
+        assert ledger["steps_completed"] == T and ledger["complete"]
+        assert ledger["examples_processed"] == read_json(tmp_path / "ref" / "ledger.json")["examples_processed"]
+        log = pd.read_parquet(path / "train_log.parquet")
+        assert log["step"].tolist() == list(range(1, T + 1))
+        cols = ["step", "loss", "realised_examples", "realised_users", "examples_processed", "learning_rate"]
+        pd.testing.assert_frame_equal(log[cols], ref.log[cols])
+        assert not (path / "checkpoint").exists()  # removed once the outputs are written
+        assert (path / "model" / "model.safetensors").exists()
+    assert read_json(tmp_path / "a" / "ledger.json")["resumed_at_steps"] == [3]
+    assert read_json(tmp_path / "b" / "ledger.json")["resumed_at_steps"] == [4]
+
+
+def test_checkpoint_of_another_mechanism_is_ignored(tmp_path, pool):
+    plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
+    engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+                 gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
+    other = dict(plan, noise_multiplier=0.9)
+    steps_run = []
+    out = engine.train(tiny_model(), pool, other, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+                       gradient_source=ConstantGradients, compute_epsilon=fake_epsilon,
+                       on_step=lambda st, r: steps_run.append(st))
+    assert steps_run == [1, 2, 3, 4] and out.ledger["resumed_at_steps"] == []
+
+
+@pytest.mark.parametrize("method,G", [("els", 2), ("uls", 3)])
+def test_ledger_epsilon_matches_plan(tmp_path, method, G):
+    from userdp.privacy.accounting import compute_epsilon
+
+    t = tokens_table(40, seed=3)
+    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
+    pool = build_pool(train, G, seed=0)
+    T, sigma, delta = 3, 1.0, 1e-3
+    plan = plan_for(pool, method, expected=2.0, steps=T, sigma=sigma, clip=1.0, delta=delta)
+    plan["epsilon_achieved"] = compute_epsilon(method, sigma, plan["sampling_rate"], T, delta,
+                                               group_size=G if method == "els" else 1)
+    out = engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(method), 0,
+                       gradient_source=ConstantGradients)
+    ledger = read_json(tmp_path / "ledger.json")
+    assert ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9)
+    for key in ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size", "delta",
+                "accountant"):
+        assert ledger[key] == plan[key]
+    assert ledger["steps_completed"] == ledger["steps_planned"] == T
+    assert set(ledger["versions"]) >= {"torch", "transformers", "dp_accounting", "userdp", "python"}
+    assert ledger["examples_processed"] == int(out.log["realised_examples"].sum())
+    assert ledger["compute_ratio"] == pytest.approx(ledger["examples_processed"] / plan["compute_budget"])
+    assert ledger["seed"] == 0
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd", "adafactor"])
+def test_optimizers_step(tmp_path, pool, opt):
+    model = tiny_model()
+    before = params_vector(model)
+    plan = plan_for(pool, "els", expected=3.0, steps=2, sigma=0.5, clip=1.0)
+    out = engine.train(model, pool, plan, settings(optimizer=opt), engine.RunPaths(tmp_path), seeds(), 0,
+                       gradient_source=LoopGradients, compute_epsilon=fake_epsilon)
+    assert out.complete and not torch.equal(before, params_vector(model))
+    assert out.log["loss"].notna().any()
+
+
+def test_schedules():
+    warm = LRMultiplier("constant", 3, 10)
+    assert [warm(s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    lin = LRMultiplier("linear", 0, 10)
+    assert lin(0) == 1.0 and lin(5) == pytest.approx(0.5) and lin(9) == pytest.approx(0.1)
+    cos = LRMultiplier("cosine", 0, 10)
+    assert cos(0) == 1.0 and cos(5) == pytest.approx(0.5) and cos(9) < 0.05
+    with pytest.raises(ConfigError, match="training.schedule"):
+        LRMultiplier("step", 0, 10)
+
+
+def test_learning_rate_log_follows_schedule(tmp_path, pool):
+    plan = plan_for(pool, "els", expected=2.0, steps=4, sigma=0.5, clip=1.0)
+    out = engine.train(tiny_model(), pool, plan, settings(schedule="linear", learning_rate=0.1),
+                       engine.RunPaths(tmp_path), seeds(), 0, gradient_source=ConstantGradients,
+                       compute_epsilon=fake_epsilon)
+    assert out.log["learning_rate"].tolist() == pytest.approx([0.1, 0.075, 0.05, 0.025])
+
+
+def test_uls_with_too_small_physical_batch_fails_early(tmp_path, pool):
+    plan = plan_for(pool, "uls", expected=2.0, steps=2)
+    with pytest.raises(ConfigError, match="physical_batch_size"):
+        engine.train(tiny_model(), pool, plan, settings(physical_batch_size=2), engine.RunPaths(tmp_path), seeds(),
+                     0, gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
+    bad = dict(plan, group_size=5)
+    with pytest.raises(DataError, match="group_size"):
+        engine.train(tiny_model(), pool, bad, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+                     gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)

@@ -1,0 +1,100 @@
+"""Contribution bounding (method.md 2; invariant 10.3): at most G examples per train user, uniform, seeded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from scipy import stats
+
+from train_fixtures import tokens_table
+from userdp.errors import DataError
+from userdp.training.pool import build_pool, read_train_tokens
+
+
+@pytest.fixture()
+def tokens_file(tmp_path):
+    path = tmp_path / "tokens.parquet"
+    pq.write_table(tokens_table(60, seed=1), path)
+    return path
+
+
+def test_bounding_caps_users_and_uses_only_train(tokens_file):
+    table = pq.read_table(tokens_file)
+    train = read_train_tokens(tokens_file)
+    G = 3
+    pool = build_pool(train, G, seed=7)
+    # No user above G; users at or below G keep everything.
+    n_u = {u: c for u, c in zip(*np.unique(train["user_id"].to_numpy(zero_copy_only=False), return_counts=True))}
+    assert pool.user_sizes.max() <= G
+    for u, m in zip(pool.user_ids, pool.user_sizes):
+        assert m == min(n_u[u], G)
+    assert pool.n_examples == sum(min(c, G) for c in n_u.values())
+    assert any(c > G for c in n_u.values())  # the fixture really exercises the cap
+    # Only train rows, and every pool row belongs to its user.
+    split_of = dict(zip(table["example_id"].to_pylist(), table["split"].to_pylist()))
+    user_of = dict(zip(table["example_id"].to_pylist(), table["user_id"].to_pylist()))
+    assert {split_of[e] for e in pool.example_ids.tolist()} == {"train"}
+    for row, e in enumerate(pool.example_ids.tolist()):
+        assert user_of[e] == pool.user_ids[pool.example_user[row]]
+    # Tokens of each row are the example's tokens.
+    ids_of = dict(zip(table["example_id"].to_pylist(), table["input_ids"].to_pylist()))
+    for row in range(0, pool.n_examples, 7):
+        assert pool.tokens(row).tolist() == ids_of[int(pool.example_ids[row])]
+
+
+def test_bounding_is_seeded_and_content_independent(tokens_file):
+    train = read_train_tokens(tokens_file)
+    a = build_pool(train, 2, seed=3)
+    b = build_pool(train, 2, seed=3)
+    c = build_pool(train, 2, seed=4)
+    assert np.array_equal(a.example_ids, b.example_ids)
+    assert not np.array_equal(a.example_ids, c.example_ids)
+    # Changing the texts (token contents) and the row order does not change the choice.
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(train.num_rows)
+    scrambled = train.take(pa.array(perm)).set_column(
+        2, "input_ids", pa.array([[5, 6, 7]] * train.num_rows, pa.list_(pa.int32()))
+    )
+    d = build_pool(scrambled, 2, seed=3)
+    assert np.array_equal(a.example_ids, d.example_ids)
+
+
+def test_bounding_subset_is_uniform():
+    # One user with 8 examples, G = 2: over many seeds each example is kept with probability 2/8.
+    table = pa.table({
+        "user_id": ["a"] * 8 + ["b"],
+        "example_id": list(range(9)),
+        "input_ids": pa.array([[1, 2, 3]] * 9, pa.list_(pa.int32())),
+    })
+    n_seeds = 1500
+    counts = np.zeros(8)
+    for s in range(n_seeds):
+        pool = build_pool(table, 2, seed=s)
+        kept = pool.example_ids[pool.example_user == 0]
+        assert len(kept) == 2
+        counts[kept] += 1
+    expected = np.full(8, n_seeds * 2 / 8)
+    p = stats.chisquare(counts, expected).pvalue
+    assert p > 1e-3, (counts, p)
+
+
+def test_overlapping_splits_are_rejected(tmp_path):
+    t = pa.table({
+        "user_id": ["a", "a", "b"],
+        "example_id": [0, 1, 2],
+        "split": ["train", "test", "train"],
+        "input_ids": pa.array([[1, 2, 3]] * 3, pa.list_(pa.int32())),
+    })
+    path = tmp_path / "tokens.parquet"
+    pq.write_table(t, path)
+    with pytest.raises(DataError, match="user-disjoint"):
+        read_train_tokens(path)
+
+
+def test_missing_columns_named(tmp_path):
+    path = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"user_id": ["a"], "split": ["train"]}), path)
+    with pytest.raises(DataError, match="example_id"):
+        read_train_tokens(path)

@@ -1,0 +1,16 @@
+"""Snakemake script: the per-dataset summary table (one row per grid cell) and training curves."""
+
+from userdp.errors import run_main
+from userdp.evaluation.aggregate import build_summary, write_summary
+from userdp.logutil import setup_logging
+
+log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+
+
+def main() -> None:
+    sm = snakemake  # noqa: F821
+    summary, curves = build_summary(sm.config, sm.wildcards.dataset)
+    write_summary(summary, curves, sm.output.parquet, sm.output.csv, sm.output.curves)
+
+
+run_main(main, log)

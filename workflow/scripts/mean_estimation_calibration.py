@@ -1,0 +1,23 @@
+"""Calibrate the noise of every distinct mean-estimation cell (thin adapter).
+
+Reads the config (snakemake.config), writes results/mean_estimation/calibration.parquet.
+"""
+
+from userdp.errors import run_main
+from userdp.experiments import mean_estimation as me
+from userdp.io import write_parquet
+from userdp.logutil import setup_logging
+
+log = setup_logging(snakemake.log[0])
+
+
+def main() -> None:
+    spec = me.MeanEstimationSpec.from_config(snakemake.config)
+    plan = me.plan_calibrations(spec)
+    log.info("mean estimation: %d (method, epsilon, budget, G) cells, delta = %.3g", len(plan), spec.delta)
+    table = me.calibrate_cells(plan, workers=snakemake.threads)
+    write_parquet(snakemake.output[0], table)
+    log.info("wrote %s", snakemake.output[0])
+
+
+run_main(main, log)

@@ -1,0 +1,37 @@
+"""Snakemake script (rules plan, plan_group_sweep): one grid cell -> its plan JSON."""
+
+import userdp.errors
+import userdp.io
+import userdp.logutil
+from userdp.config import parse_num
+from userdp.privacy.planner import plan_cell, read_train_counts
+
+log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+
+
+def main() -> None:
+    sm = snakemake  # noqa: F821
+    w = sm.wildcards
+    counts = read_train_counts(sm.input.users)
+    contributions = userdp.io.read_json(sm.input.contributions)
+    plan = plan_cell(
+        dataset=w.dataset,
+        method=w.method,
+        epsilon=parse_num(w.eps),
+        compute_budget=int(w.budget),
+        steps=int(sm.params.steps),
+        counts=counts,
+        privacy=sm.params.privacy,
+        group_size=sm.params.group_size,
+        reference_epsilon=sm.params.reference_epsilon,
+    )
+    plan["median_train"] = contributions.get("median_train")
+    userdp.io.write_json(sm.output[0], plan)
+    log.info(
+        "%s: G=%d (%s), q=%.5g, expected batch %.4g %s, sigma=%.5g, eps achieved %s",
+        sm.output[0], plan["group_size"], plan["group_size_rule"], plan["sampling_rate"],
+        plan["expected_batch"], plan["expected_batch_unit"], plan["noise_multiplier"], plan["epsilon_achieved"],
+    )
+
+
+userdp.errors.run_main(main, log)

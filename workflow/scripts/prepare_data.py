@@ -1,0 +1,28 @@
+"""Snakemake script (rule prepare_data): clean, group users, split, contribution statistics."""
+
+import copy
+from pathlib import Path
+
+import pyarrow as pa
+
+import userdp.errors
+import userdp.logutil
+from userdp.data.base import open_source
+from userdp.data.prepare import prepare_dataset
+
+log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+
+
+def main() -> None:
+    pa.set_cpu_count(max(1, int(snakemake.threads)))  # noqa: F821
+    name = snakemake.wildcards.dataset  # noqa: F821
+    spec = copy.deepcopy(dict(snakemake.params.spec))  # noqa: F821
+    seed = int(snakemake.params.seed)  # noqa: F821
+    source = open_source(name, spec, data_dir="data", seed=seed)
+    out_dir = Path(snakemake.output.contributions).parent  # noqa: F821
+    stats = prepare_dataset(source, name, spec, out_dir, seed, batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]))  # noqa: F821
+    log.info("dataset %s: users %s, examples %s, median/max train contributions %s/%s, dropped %s",
+             name, stats["n_users"], stats["n_examples"], stats["median_train"], stats["max_train"], stats["dropped"])
+
+
+userdp.errors.run_main(main, log)

@@ -1,0 +1,27 @@
+"""Snakemake script: choose a cell's learning rate on validation users.
+
+Writes the cell's metrics.json (test metrics of the chosen rate) and copies
+that rate's ledger.json and train_log.parquet into the cell folder.
+"""
+
+from userdp.errors import run_main
+from userdp.evaluation.select import select_cell
+from userdp.logutil import setup_logging
+
+log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+
+
+def main() -> None:
+    sm = snakemake  # noqa: F821
+    select_cell(
+        learning_rates=list(sm.params.learning_rates),
+        eval_paths=list(sm.input.evals),
+        ledger_paths=list(sm.input.ledgers),
+        train_log_paths=list(sm.input.train_logs),
+        out_metrics=sm.output.metrics,
+        out_ledger=sm.output.ledger,
+        out_train_log=sm.output.train_log,
+    )
+
+
+run_main(main, log)

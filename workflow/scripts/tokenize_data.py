@@ -1,0 +1,28 @@
+"""Snakemake script (rules tokenize and tokenize_public): token ids of examples or public text."""
+
+import os
+from pathlib import Path
+
+import userdp.errors
+import userdp.logutil
+
+log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+os.environ.setdefault("RAYON_NUM_THREADS", str(snakemake.threads))  # noqa: F821
+
+from userdp.data.tokenize import tokenize_examples, tokenize_public  # noqa: E402
+
+
+def main() -> None:
+    fn = tokenize_public if snakemake.rule == "tokenize_public" else tokenize_examples  # noqa: F821
+    info = fn(
+        snakemake.input.examples,  # noqa: F821
+        Path(snakemake.input.tokenizer).parent,  # noqa: F821
+        snakemake.output[0],  # noqa: F821
+        int(snakemake.params.sequence_length),  # noqa: F821
+        snakemake.params.long_examples,  # noqa: F821
+        batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]),  # noqa: F821
+    )
+    log.info("wrote %s: %s", snakemake.output[0], info)  # noqa: F821
+
+
+userdp.errors.run_main(main, log)

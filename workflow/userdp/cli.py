@@ -1,0 +1,156 @@
+"""`python -m userdp` (or `userdp`): the library's one-off tools.
+
+    userdp epsilon   --method els --noise-multiplier 1.1 --sampling-rate 0.01 --steps 1000 --group-size 8 --delta 1e-6
+    userdp calibrate --method els --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --group-size 8
+
+`--json` prints one JSON object with the plan's field names (artifacts.md).
+Invalid arguments exit with status 2 and a message naming the argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Sequence
+
+from .errors import UserError
+from .io import _clean_floats
+
+
+def _positive_float(name: str, allow_inf: bool = False):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if math.isnan(v) or v <= 0 or (math.isinf(v) and not allow_inf):
+            raise argparse.ArgumentTypeError(f"{name} must be a number > 0{' (or inf)' if allow_inf else ''}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _rate(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sampling rate must be a number in (0, 1], got {text!r}") from None
+    if not (0 < v <= 1):
+        raise argparse.ArgumentTypeError(f"sampling rate must be in (0, 1], got {text!r}")
+    return v
+
+
+def _delta(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"delta must be a number in (0, 1), got {text!r}") from None
+    if not (0 < v < 1):
+        raise argparse.ArgumentTypeError(f"delta must be in (0, 1), e.g. 1e-6, got {text!r}")
+    return v
+
+
+def _int_at_least(name: str, minimum: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number >= {minimum}, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number >= {minimum}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _noise(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"noise multiplier must be a number >= 0, got {text!r}") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"noise multiplier must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="userdp", description="User-level DP accounting and calibration tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--method", required=True, choices=["els", "uls", "group"],
+            help="els: tight user-level accountant of DP-SGD-ELS; uls: DP-SGD-ULS; "
+            "group: ELS by group privacy (comparison only)",
+        )
+        sp.add_argument("--sampling-rate", required=True, type=_rate, help="q (ELS, examples) or q_u (ULS, users), in (0, 1]")
+        sp.add_argument("--steps", required=True, type=_int_at_least("steps", 1), help="T, the number of noisy steps")
+        sp.add_argument("--group-size", type=_int_at_least("group size", 1), default=1, help="G, examples per user (default 1)")
+        sp.add_argument("--delta", required=True, type=_delta, help="delta in (0, 1)")
+        sp.add_argument("--json", action="store_true", help="print one JSON object (plan field names)")
+
+    e = sub.add_parser("epsilon", help="epsilon of T steps at a given noise multiplier")
+    common(e)
+    e.add_argument("--noise-multiplier", required=True, type=_noise, help="sigma (noise std / clip norm), >= 0")
+    e.add_argument("--discretization", type=_positive_float("discretization"), default=1e-4, help="PLD discretization (default 1e-4)")
+
+    c = sub.add_parser("calibrate", help="smallest noise multiplier meeting (epsilon, delta)")
+    common(c)
+    c.add_argument("--epsilon", required=True, type=_positive_float("epsilon", allow_inf=True), help="target epsilon > 0 (inf: no noise)")
+    c.add_argument("--tolerance", type=_positive_float("tolerance"), default=1e-3, help="relative tolerance in sigma (default 1e-3)")
+    c.add_argument("--max-noise-multiplier", type=_positive_float("max noise multiplier"), default=500.0, help="give up above this sigma (default 500)")
+    return p
+
+
+def _emit(record: dict, as_json: bool, text: str) -> None:
+    if as_json:
+        print(json.dumps(_clean_floats(record), indent=2))
+    else:
+        print(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 invalid arguments or infeasible target)."""
+    args = build_parser().parse_args(argv)
+    from .privacy import accounting
+    from .privacy.calibration import calibrate
+
+    try:
+        if args.command == "epsilon":
+            eps = accounting.compute_epsilon(
+                args.method, args.noise_multiplier, args.sampling_rate, args.steps, args.delta, args.group_size,
+                discretization=args.discretization,
+            )
+            record = {
+                "method": args.method,
+                "epsilon": eps,
+                "delta": args.delta,
+                "group_size": args.group_size,
+                "sampling_rate": args.sampling_rate,
+                "steps": args.steps,
+                "noise_multiplier": args.noise_multiplier,
+                "accountant": accounting.accountant_name(args.method),
+                "discretization": args.discretization,
+            }
+            _emit(record, args.json, f"epsilon = {eps:.6g} at delta = {args.delta:.3g}")
+        else:
+            r = calibrate(
+                args.method, args.epsilon, args.delta, args.sampling_rate, args.steps, args.group_size,
+                tolerance=args.tolerance, max_noise_multiplier=args.max_noise_multiplier,
+            )
+            record = r.to_dict()
+            _emit(
+                record, args.json,
+                f"noise multiplier = {r.noise_multiplier:.6g} (epsilon achieved {r.epsilon_achieved:.6g} <= "
+                f"{r.epsilon:g} at delta = {r.delta:.3g})",
+            )
+    except UserError as exc:
+        print(f"userdp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

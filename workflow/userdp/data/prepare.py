@@ -1,0 +1,461 @@
+"""Cleaning, user grouping, the seeded user-level split and contribution statistics.
+
+`prepare_dataset` consumes a Source's record batches in a streaming pass and
+writes `examples.parquet`, `users.parquet` and `contributions.json` (see
+/work/shared/reference/artifacts.md). Memory is bounded by the number of
+USERS (one small count table), never by the number of examples: texts go
+straight from the source to Parquet, grouping is done with pyarrow's hash
+aggregation, and the split is a pure function of the user id.
+
+Split rules
+-----------
+- Default: user u goes to test if h(u) < test, to validation if
+  h(u) < test + validation, else to train, where h is a seeded 64-bit hash
+  of the user id mapped to [0, 1). It depends only on the id and the seed, so
+  it is the same whatever the order or batching of the data, and a user's
+  examples can never straddle two splits.
+- `split.use_source_split` (default true) for sources that carry their own
+  user-disjoint split in `source_split` (Stack Overflow): rows of `train` ->
+  train; `heldout` users (disjoint from train) -> evaluation, divided between
+  validation and test by the same hash in the ratio validation : test; rows
+  of the source's `test` split are DROPPED (counted): they are later posts of
+  the train users, and evaluating on them would not be user-level.
+
+Privacy note: contribution statistics (counts per user, quantiles) are
+computed on the private data. As in the study, they are treated as public
+(like dataset sizes in standard DP-SGD practice); the JSON says so in
+`treated_as_public`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import zlib
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..errors import ConfigError, DataError
+from ..io import ParquetBatchWriter, write_json, write_parquet
+from ..logutil import Progress
+from .base import PUBLIC_SCHEMA
+
+SPLITS = ("train", "validation", "test")
+TRAIN, VALIDATION, TEST = 0, 1, 2
+DROP = -1
+
+EXAMPLES_SCHEMA = pa.schema(
+    [
+        pa.field("user_id", pa.string()),
+        pa.field("example_id", pa.int64()),
+        pa.field("split", pa.string()),
+        pa.field("text", pa.string()),
+    ]
+)
+USERS_SCHEMA = pa.schema(
+    [pa.field("user_id", pa.string()), pa.field("split", pa.string()), pa.field("n_examples", pa.int64())]
+)
+
+# Sources whose loaders always have a public (pretraining) part. Snakemake
+# must know this when it builds the DAG, before any data is read, so it is a
+# static property of the source type (plus an explicit `public` key).
+PUBLIC_SOURCES = {"synthetic", "fortunes"}
+
+# Source splits (use_source_split) -> our split; EVAL = validation/test by hash.
+EVAL = -2
+SOURCE_SPLIT_RULES = {"train": TRAIN, "heldout": EVAL, "test": DROP}
+
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999)
+
+log = logging.getLogger("userdp.data.prepare")
+
+
+def has_public_part(spec: dict) -> bool:
+    """Whether dataset `spec` yields public text (decided from the config alone)."""
+    if spec.get("source") == "synthetic":
+        return int((spec.get("synthetic") or {}).get("public_examples", 1)) > 0
+    return spec.get("source") in PUBLIC_SOURCES or bool(spec.get("public"))
+
+
+def split_settings(name: str, spec: dict) -> tuple[float, float, bool]:
+    """(validation, test, use_source_split) of a dataset spec, with defaults 0.1, 0.1, true."""
+    split = spec.get("split") or {}
+    v, t = float(split.get("validation", 0.1)), float(split.get("test", 0.1))
+    if not (0 <= v < 1 and 0 <= t < 1 and v + t < 1):
+        raise ConfigError(
+            f"datasets.{name}.split: validation={v:g}, test={t:g}; each must be in [0, 1) and their sum < 1."
+        )
+    return v, t, bool(split.get("use_source_split", True))
+
+
+# ---------------------------------------------------------------- hashing
+
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def split_seed(seed: int) -> int:
+    """The hash key of the user split, derived from the root seed.
+
+    It does not involve the dataset name, so the same user id lands in the
+    same split in two datasets built from the same users.
+    """
+    return int(np.random.SeedSequence([seed, zlib.crc32(b"user-split")]).generate_state(1, np.uint64)[0])
+
+
+def hash_unit(user_ids: pa.Array | pa.ChunkedArray, seed: int) -> np.ndarray:
+    """A seeded hash of each string mapped to [0, 1), vectorised (FNV-1a 64 + splitmix64).
+
+    Stable across platforms, runs and batchings: it reads the UTF-8 bytes.
+    """
+    if isinstance(user_ids, pa.ChunkedArray):
+        user_ids = user_ids.combine_chunks()
+    arr = pc.cast(user_ids, pa.large_string())
+    n = len(arr)
+    if n == 0:
+        return np.zeros(0)
+    _, off_buf, data_buf = arr.buffers()
+    offsets = np.frombuffer(off_buf, dtype=np.int64, count=arr.offset + n + 1)[arr.offset :]
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(1, np.uint8)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    h = np.full(n, _FNV_OFFSET, dtype=np.uint64) ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
+    with np.errstate(over="ignore"):
+        for j in range(int(lengths.max(initial=0))):
+            live = np.nonzero(lengths > j)[0]
+            h[live] = (h[live] ^ data[starts[live] + j].astype(np.uint64)) * _FNV_PRIME
+        h = _splitmix64(h)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def hash_split(user_ids: pa.Array, seed: int, validation: float, test: float) -> np.ndarray:
+    """Split codes (TRAIN/VALIDATION/TEST) per user id by the seeded hash."""
+    u = hash_unit(user_ids, split_seed(seed))
+    return np.where(u < test, TEST, np.where(u < test + validation, VALIDATION, TRAIN)).astype(np.int8)
+
+
+def _eval_split(user_ids: pa.Array, seed: int, validation: float, test: float) -> np.ndarray:
+    """Evaluation users (source heldout) -> VALIDATION or TEST in the ratio validation : test."""
+    share_test = 1.0 if validation + test == 0 else test / (validation + test)
+    u = hash_unit(user_ids, split_seed(seed))
+    return np.where(u < share_test, TEST, VALIDATION).astype(np.int8)
+
+
+def _per_user(fn, user_ids: pa.Array) -> np.ndarray:
+    """Apply a per-id function on the distinct ids of a batch only (cheaper), then expand."""
+    enc = pc.dictionary_encode(user_ids).combine_chunks() if isinstance(user_ids, pa.ChunkedArray) else pc.dictionary_encode(user_ids)
+    codes = fn(enc.dictionary)
+    return codes[enc.indices.to_numpy(zero_copy_only=False)]
+
+
+# ---------------------------------------------------------------- cleaning
+
+
+# Rows that may need cleaning: two ASCII whitespace in a row, a whitespace
+# other than ' ', whitespace at either end, or any non-ASCII character
+# (which may be Unicode whitespace). A regex MATCH is cheap; the rewrite is
+# done only on these rows.
+_NEEDS_CLEANING = r"\s\s|[\t\n\r\f\v]|^\s|\s$|[^\x00-\x7F]"
+
+
+def clean_text(text: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Collapse runs of (Unicode) whitespace to one space and strip the ends; nulls stay null."""
+    if isinstance(text, pa.ChunkedArray):
+        text = text.combine_chunks()
+    needs = pc.fill_null(pc.match_substring_regex(text, _NEEDS_CLEANING), False)
+    n_needs = pc.sum(needs).as_py() or 0
+    if n_needs == 0:
+        return text
+    # split on runs of whitespace (ends give empty pieces, hence the trim)
+    if n_needs == len(text):
+        return pc.utf8_trim_whitespace(pc.binary_join(pc.utf8_split_whitespace(text), " "))
+    fixed = pc.utf8_trim_whitespace(pc.binary_join(pc.utf8_split_whitespace(pc.filter(text, needs)), " "))
+    return pc.replace_with_mask(text, needs, fixed)
+
+
+def _capped(batches: Iterable[pa.RecordBatch], limit: int | None) -> Iterator[pa.RecordBatch]:
+    if limit is None:
+        yield from batches
+        return
+    left = limit
+    for b in batches:
+        if left <= 0:
+            return
+        if b.num_rows > left:
+            b = b.slice(0, left)
+        left -= b.num_rows
+        yield b
+
+
+# ---------------------------------------------------------------- the stage
+
+
+class _CountTable:
+    """Per-user counts, merged with hash aggregation whenever the buffer grows."""
+
+    def __init__(self, flush_rows: int = 2_000_000):
+        self.parts: list[pa.Table] = []
+        self.rows = 0
+        self.flush_rows = flush_rows
+
+    def add(self, user_id: pa.Array, split: np.ndarray) -> None:
+        t = pa.table({"user_id": user_id, "split": pa.array(split, pa.int8())})
+        g = t.group_by("user_id").aggregate([("split", "min"), ("split", "max"), ("split", "count")])
+        self.parts.append(g.rename_columns(["user_id", "split_min", "split_max", "n"]))
+        self.rows += g.num_rows
+        if self.rows > self.flush_rows and len(self.parts) > 1:
+            self.parts = [self.result()]
+            self.rows = self.parts[0].num_rows
+
+    def result(self) -> pa.Table:
+        if not self.parts:
+            return pa.table({"user_id": pa.array([], pa.string()), "split_min": pa.array([], pa.int8()),
+                             "split_max": pa.array([], pa.int8()), "n": pa.array([], pa.int64())})
+        t = pa.concat_tables(self.parts)
+        g = t.group_by("user_id").aggregate([("split_min", "min"), ("split_max", "max"), ("n", "sum")])
+        return g.rename_columns(["user_id", "split_min", "split_max", "n"])
+
+
+def _assign_splits(batch: pa.RecordBatch, seed: int, validation: float, test: float, use_source: bool) -> np.ndarray:
+    """Split code per row (TRAIN/VALIDATION/TEST, or DROP for source test rows)."""
+    uid = batch.column("user_id")
+    codes = _per_user(lambda d: hash_split(d, seed, validation, test), uid)
+    if not use_source or "source_split" not in batch.schema.names:
+        return codes
+    src = batch.column("source_split")
+    if src.null_count == len(src):
+        return codes
+    known = pc.is_in(src, value_set=pa.array(list(SOURCE_SPLIT_RULES)))
+    bad = pc.and_(pc.is_valid(src), pc.invert(known))
+    if pc.any(bad).as_py():
+        values = pc.unique(pc.filter(src, bad)).to_pylist()
+        raise DataError(
+            f"source split value(s) {values[:5]} not understood; known: {sorted(SOURCE_SPLIT_RULES)}. "
+            "Set datasets.<name>.split.use_source_split: false to split users by hash instead."
+        )
+    src_np = np.asarray(src.to_numpy(zero_copy_only=False), dtype=object)
+    mapped = np.full(len(src_np), 127, dtype=np.int8)  # 127 = no source split (null)
+    for value, code in SOURCE_SPLIT_RULES.items():
+        mapped[src_np == value] = code
+    out = np.where(mapped == 127, codes, mapped).astype(np.int8)
+    is_eval = out == EVAL
+    if is_eval.any():
+        ev = _per_user(lambda d: _eval_split(d, seed, validation, test), uid)
+        out[is_eval] = ev[is_eval]
+    return out
+
+
+def prepare_dataset(
+    source,
+    name: str,
+    spec: dict,
+    out_dir: str | Path,
+    seed: int,
+    batch_rows: int = 100_000,
+    write_rows: int = 131_072,
+) -> dict:
+    """Clean, group, split and count one dataset; write its artifacts into `out_dir`.
+
+    Writes examples.parquet, users.parquet and contributions.json (all
+    atomically; on an error none of them is left behind) and returns the
+    statistics written to contributions.json.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    validation, test, use_source = split_settings(name, spec)
+    min_n = int(spec.get("min_examples_per_user", 1))
+    limit = spec.get("max_examples")
+    dropped = {"null_or_empty_text": 0, "source_test_rows": 0, "below_min_examples_per_user": 0}
+    dropped_users = {"below_min_examples_per_user": 0}
+    counts = _CountTable()
+    pass1 = out_dir / ".examples.pass1.parquet"
+    labels = pa.array(SPLITS, pa.string())
+    n_raw = 0
+    try:
+        next_id = 0
+        with ParquetBatchWriter(pass1, EXAMPLES_SCHEMA) as writer:
+            buf: list[pa.Table] = []
+            buffered = 0
+            progress = Progress(log, limit, f"{name}: rows read")
+            for batch in _capped(source.iter_batches(batch_rows), limit):
+                n_raw += batch.num_rows
+                progress.update(batch.num_rows)
+                uid = batch.column("user_id")
+                if uid.null_count:
+                    raise DataError(
+                        f"dataset {name}: {uid.null_count} row(s) have a null user id; "
+                        "every example needs a user (fix the data or its user column)."
+                    )
+                text = clean_text(batch.column("text"))
+                keep = pc.fill_null(pc.greater(pc.utf8_length(text), 0), False).to_numpy(zero_copy_only=False)
+                dropped["null_or_empty_text"] += int((~keep).sum())
+                split = _assign_splits(batch, seed, validation, test, use_source)
+                src_drop = keep & (split == DROP)
+                dropped["source_test_rows"] += int(src_drop.sum())
+                keep &= split != DROP
+                if not keep.any():
+                    continue
+                if keep.all():  # the common case: no copies
+                    uid_k, split_k, text_k = uid, split, text
+                else:
+                    idx = pa.array(np.nonzero(keep)[0])
+                    uid_k, split_k, text_k = uid.take(idx), split[keep], text.take(idx)
+                counts.add(uid_k, split_k)
+                n = len(split_k)
+                buf.append(
+                    pa.table(
+                        {
+                            "user_id": uid_k,
+                            "example_id": pa.array(np.arange(next_id, next_id + n, dtype=np.int64)),
+                            "split": labels.take(pa.array(split_k.astype(np.int64))),
+                            "text": text_k,
+                        },
+                        schema=EXAMPLES_SCHEMA,
+                    )
+                )
+                next_id += n
+                buffered += n
+                if buffered >= write_rows:
+                    writer.write(pa.concat_tables(buf))
+                    buf, buffered = [], 0
+            if buf:
+                writer.write(pa.concat_tables(buf))
+
+        users = counts.result()
+        mixed = pc.not_equal(users.column("split_min"), users.column("split_max"))
+        if pc.any(mixed).as_py():
+            example = pc.filter(users.column("user_id"), mixed)[0].as_py()
+            raise DataError(
+                f"dataset {name}: user {example!r} has rows in more than one source split, so the source's "
+                "split is not user-disjoint; set datasets."
+                f"{name}.split.use_source_split: false to split users by hash."
+            )
+        small = pc.less(users.column("n"), min_n)
+        n_small = int(pc.sum(small).as_py() or 0)
+        if n_small:
+            dropped_users["below_min_examples_per_user"] = n_small
+            dropped["below_min_examples_per_user"] = int(pc.sum(pc.filter(users.column("n"), small)).as_py())
+            users = users.filter(pc.invert(small))
+        if users.num_rows == 0:
+            raise DataError(
+                f"dataset {name}: no users left after filtering ({n_raw} raw rows read; "
+                f"min_examples_per_user={min_n}, split.use_source_split={use_source}; dropped: {dropped}). "
+                f"Lower datasets.{name}.min_examples_per_user or check the data's user and text columns."
+            )
+        users = pa.table(
+            {
+                "user_id": users.column("user_id"),
+                "split": labels.take(pc.cast(users.column("split_min"), pa.int64())),
+                "n_examples": pc.cast(users.column("n"), pa.int64()),
+            },
+            schema=USERS_SCHEMA,
+        ).sort_by("user_id")
+
+        examples_path = out_dir / "examples.parquet"
+        if n_small:
+            _filter_examples(pass1, examples_path, users.column("user_id"), batch_rows)
+        else:
+            pass1.replace(examples_path)  # already complete; a rename is atomic
+        log.info("%s: %d rows read, %d users kept, dropped %s", name, n_raw, users.num_rows, dropped)
+        stats = contribution_stats(users, dropped, dropped_users, n_raw)
+        stats.update({"dataset": name, "source": spec.get("source"), "split_rule": _split_rule_text(validation, test, use_source), "min_examples_per_user": min_n})
+        write_parquet(out_dir / "users.parquet", users)
+        write_json(out_dir / "contributions.json", stats)
+        return stats
+    except BaseException:
+        for f in ("examples.parquet", "users.parquet", "contributions.json"):
+            with contextlib.suppress(FileNotFoundError):
+                (out_dir / f).unlink()
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            pass1.unlink()
+
+
+def _filter_examples(src: Path, dst: Path, keep_users: pa.ChunkedArray, batch_rows: int) -> None:
+    """Keep rows of `keep_users` from `src`, renumbering example_id contiguously."""
+    keep_set = keep_users.combine_chunks()
+    next_id = 0
+    pf = pq.ParquetFile(src)
+    with ParquetBatchWriter(dst, EXAMPLES_SCHEMA) as writer:
+        for batch in pf.iter_batches(batch_size=max(batch_rows, 65536)):
+            t = pa.Table.from_batches([batch]).filter(pc.is_in(batch.column("user_id"), value_set=keep_set))
+            if t.num_rows == 0:
+                continue
+            ids = pa.array(np.arange(next_id, next_id + t.num_rows, dtype=np.int64))
+            next_id += t.num_rows
+            writer.write(t.set_column(1, "example_id", ids))
+
+
+def _split_rule_text(validation: float, test: float, use_source: bool) -> str:
+    rule = f"seeded hash of user_id: test {test:g}, validation {validation:g}, rest train"
+    if use_source:
+        rule += "; where the source has its own split: train->train, heldout->validation/test, test rows dropped"
+    return rule
+
+
+def contribution_stats(users: pa.Table, dropped: dict, dropped_users: dict, n_raw: int) -> dict:
+    """The contents of contributions.json from the users table (user_id, split, n_examples)."""
+    split = np.asarray(users.column("split").to_numpy(zero_copy_only=False), dtype=object)
+    n = users.column("n_examples").to_numpy()
+    out: dict = {
+        "n_users": {s: int((split == s).sum()) for s in SPLITS},
+        "n_examples": {s: int(n[split == s].sum()) for s in SPLITS},
+    }
+    tr = np.sort(n[split == "train"])
+    if len(tr):
+        out["median_train"] = float(np.median(tr))
+        out["max_train"] = int(tr[-1])
+        out["mean_train"] = float(tr.mean())
+        out["quantiles_train"] = {f"{q:g}": float(np.quantile(tr, q)) for q in QUANTILES}
+        edges = [2**k for k in range(int(math.floor(math.log2(tr[-1]))) + 2)]
+        hist, _ = np.histogram(tr, bins=edges)
+        out["histogram_train"] = {"bin_edges": edges, "counts": hist.tolist(), "bins": "log2: [edge_i, edge_{i+1})"}
+        values, users_per = np.unique(tr, return_counts=True)
+        out["frequency_train"] = {"n_examples": values.tolist(), "n_users": users_per.tolist()}
+    else:
+        out.update({"median_train": None, "max_train": None, "mean_train": None, "quantiles_train": {},
+                    "histogram_train": {"bin_edges": [], "counts": []}, "frequency_train": {"n_examples": [], "n_users": []}})
+    out["n_raw_examples"] = int(n_raw)
+    out["dropped"] = dict(dropped)
+    out["dropped_users"] = dict(dropped_users)
+    out["treated_as_public"] = True
+    out["privacy_note"] = (
+        "Computed on the private data and treated as public, as in the study (Charles et al. 2024) "
+        "and like dataset sizes in standard DP-SGD practice; they are not covered by the DP guarantee."
+    )
+    return out
+
+
+def write_public(source, name: str, path: str | Path, batch_rows: int = 100_000) -> dict:
+    """Clean the source's public texts and write them to `path` (column `text`)."""
+    if not source.has_public():
+        raise DataError(
+            f"dataset {name}: its source {getattr(source, 'spec', {}).get('source')!r} has no public part "
+            "(public pretraining text) to write."
+        )
+    n, dropped = 0, 0
+    with ParquetBatchWriter(path, PUBLIC_SCHEMA) as writer:
+        for batch in source.iter_public(batch_rows):
+            text = clean_text(batch.column("text"))
+            keep = pc.fill_null(pc.greater(pc.utf8_length(text), 0), False)
+            t = pa.table({"text": pc.filter(text, keep)}, schema=PUBLIC_SCHEMA)
+            dropped += len(text) - t.num_rows
+            if t.num_rows:
+                writer.write(t)
+                n += t.num_rows
+        if n == 0:
+            raise DataError(f"dataset {name}: the public part has no non-empty text.")
+    return {"n_public": n, "dropped_empty": dropped}

@@ -1,0 +1,48 @@
+"""Helpers for workflow/rules/data.smk: which datasets have which rules and inputs.
+
+Kept in the library (not in the .smk file) so the rules stay declarative and
+these decisions are unit-testable.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import ConfigError
+from .prepare import has_public_part
+from .tokenize import public_dataset_name
+
+
+def names_regex(names: list[str]) -> str:
+    """A wildcard regex matching exactly these dataset names (nothing if empty)."""
+    return "|".join(re.escape(n) for n in names) or "(?!)"
+
+
+def datasets_regex(config: dict) -> str:
+    return names_regex(list(config["datasets"]))
+
+
+def public_datasets(config: dict) -> list[str]:
+    """Datasets with a public (pretraining) part, decided from the config alone."""
+    return [n for n, s in config["datasets"].items() if has_public_part(s)]
+
+
+def public_datasets_regex(config: dict) -> str:
+    return names_regex(public_datasets(config))
+
+
+def public_parquet_targets(config: dict) -> list[str]:
+    return [f"results/data/{n}/public.parquet" for n in public_datasets(config)]
+
+
+def tokenizer_inputs(config: dict) -> dict[str, str]:
+    """Inputs of the tokenizer rule: the PUBLIC corpus only (never private text), or none for a named tokenizer."""
+    if config["tokenizer"]["name"]:
+        return {}
+    name = public_dataset_name(config)
+    if name is None:
+        raise ConfigError(
+            "tokenizer.name is null, so a BPE tokenizer is trained on public text, but no dataset has a public "
+            "part; add a synthetic or fortunes dataset (or set tokenizer.public_dataset), or set tokenizer.name."
+        )
+    return {"public": f"results/data/{name}/public.parquet"}

@@ -1,0 +1,301 @@
+"""The tokenizer stage (BPE trained on PUBLIC text, or a named one) and token ids.
+
+Tokenizer: when `tokenizer.name` is set, the named Hugging Face tokenizer (a
+hub name or a local folder) is loaded and saved to results/tokenizer/.
+Otherwise a byte-level BPE is trained with the `tokenizers` library on the
+public corpus only (`tokenizer.public_dataset`'s public.parquet): a
+tokenizer trained on private text would leak rare private strings through
+its merges and vocabulary. Either way results/tokenizer/ then loads with
+`AutoTokenizer.from_pretrained("results/tokenizer")` or
+`PreTrainedTokenizerFast(tokenizer_file="results/tokenizer/tokenizer.json")`,
+with bos, eos and pad tokens set.
+
+Tokens: each example becomes [bos] + tokens + [eos]. With `long_examples:
+truncate` it is cut to `sequence_length` tokens (a cut example loses its
+eos); with `chunk` it is split into consecutive windows of `sequence_length`
+tokens, each a new example of the SAME user with a new unique `example_id`
+(`source_example_id` points back to examples.parquet; windows of a single
+token, which hold no next-token target, are dropped). Framing is vectorised
+with numpy; reading and writing stream in batches of `batch_rows`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import ConfigError, DataError
+from ..io import ParquetBatchWriter, write_json
+from ..logutil import Progress
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+INFO_FILE = "tokenizer_info.json"
+
+log = logging.getLogger("userdp.data.tokenize")
+
+TOKENS_SCHEMA = pa.schema(
+    [
+        pa.field("user_id", pa.string()),
+        pa.field("example_id", pa.int64()),
+        pa.field("split", pa.string()),
+        pa.field("input_ids", pa.list_(pa.int32())),
+        pa.field("n_tokens", pa.int32()),
+        pa.field("source_example_id", pa.int64()),
+    ]
+)
+PUBLIC_TOKENS_SCHEMA = pa.schema([pa.field("input_ids", pa.list_(pa.int32())), pa.field("n_tokens", pa.int32())])
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def public_dataset_name(config: dict) -> str | None:
+    """`tokenizer.public_dataset`, or the first dataset (config order) with a public part."""
+    from .prepare import has_public_part
+
+    name = config["tokenizer"].get("public_dataset")
+    if name is not None:
+        if not has_public_part(config["datasets"][name]):
+            raise ConfigError(
+                f"tokenizer.public_dataset is {name!r}, but that dataset (source "
+                f"{config['datasets'][name].get('source')!r}) has no public part; name a dataset with "
+                "public text (e.g. a synthetic or fortunes dataset) or set tokenizer.name."
+            )
+        return name
+    for ds, spec in config["datasets"].items():
+        if has_public_part(spec):
+            return ds
+    return None
+
+
+def _iter_texts(path: Path, batch_rows: int) -> Iterator[list[str]]:
+    pf = pq.ParquetFile(path)
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=["text"]):
+        yield batch.column("text").to_pylist()
+
+
+def train_bpe(public_path: str | Path, vocab_size: int, out_dir: str | Path, batch_rows: int = 10_000, min_frequency: int = 2) -> dict:
+    """Train a byte-level BPE on the public texts in `public_path`; save it in `out_dir`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    public_path = Path(public_path)
+    n_texts = pq.ParquetFile(public_path).metadata.num_rows
+    if n_texts == 0:
+        raise DataError(f"{public_path}: no public text to train the tokenizer on.")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    batches = (t for texts in _iter_texts(public_path, batch_rows) for t in texts)
+    tok.train_from_iterator(batches, trainer=trainer, length=n_texts)
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    info = {"kind": "bpe", "trained_on": str(public_path), "n_texts": int(n_texts), "requested_vocab_size": vocab_size}
+    return _save(hf, out_dir, info)
+
+
+def load_named(name: str, out_dir: str | Path) -> dict:
+    """Load tokenizer `name` (hub name or local path) and save it to `out_dir` with pad/bos set."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"tokenizer.name is {name!r}, which could not be loaded ({exc}). Give a Hugging Face hub name "
+            "(needs network the first time) or a local folder with tokenizer files, or null to train a BPE."
+        ) from exc
+    if not getattr(hf, "is_fast", False):
+        raise ConfigError(f"tokenizer.name {name!r} has no fast (Rust) tokenizer; tokens need tokenizer.json.")
+    # Causal LMs like GPT-2 have only <|endoftext|>: it serves as bos, eos and pad.
+    if hf.eos_token is None:
+        raise ConfigError(f"tokenizer.name {name!r} has no eos token; choose a causal-LM tokenizer.")
+    if hf.bos_token is None:
+        hf.bos_token = hf.eos_token
+    if hf.pad_token is None:
+        hf.pad_token = hf.eos_token
+    return _save(hf, out_dir, {"kind": "named", "name": name})
+
+
+def _save(hf, out_dir: str | Path, info: dict) -> dict:
+    """Write a PreTrainedTokenizerFast's files into `out_dir`, each file atomically."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info.update(
+        {
+            "vocab_size": len(hf),
+            "bos_token": hf.bos_token, "eos_token": hf.eos_token, "pad_token": hf.pad_token,
+            "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id, "pad_token_id": hf.pad_token_id,
+        }
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=out_dir))
+    try:
+        hf.save_pretrained(tmp)
+        if not (tmp / "tokenizer.json").exists():
+            raise DataError(f"saving the tokenizer to {out_dir} wrote no tokenizer.json")
+        # tokenizer.json last: it is the rule's output that marks completion.
+        for f in sorted(tmp.iterdir(), key=lambda p: p.name == "tokenizer.json"):
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    write_json(out_dir / INFO_FILE, info)
+    return info
+
+
+def load_tokenizer(tok_dir: str | Path):
+    """The saved tokenizer as a transformers PreTrainedTokenizerFast."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok_dir = Path(tok_dir)
+    info = json.loads((tok_dir / INFO_FILE).read_text()) if (tok_dir / INFO_FILE).exists() else {}
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_dir / "tokenizer.json"),
+        bos_token=info.get("bos_token", BOS), eos_token=info.get("eos_token", EOS), pad_token=info.get("pad_token", PAD),
+    )
+
+
+# ---------------------------------------------------------------- framing
+
+
+def encode(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of `texts` without special tokens: (flat int32 ids, lengths)."""
+    backend = tok.backend_tokenizer if hasattr(tok, "backend_tokenizer") else tok
+    encs = backend.encode_batch_fast(texts, add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) for e in encs), dtype=np.int64, count=len(encs))
+    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def frame(
+    flat: np.ndarray, lengths: np.ndarray, bos: int, eos: int, seq_len: int, mode: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Add bos/eos and cut to `seq_len` (truncate) or into windows (chunk).
+
+    Returns (flat output ids, output lengths, source row of each output row).
+    """
+    n = len(lengths)
+    full = lengths + 2
+    starts = np.concatenate([[0], np.cumsum(full)[:-1]]).astype(np.int64)
+    total = int(full.sum())
+    seq = np.empty(total, dtype=np.int32)
+    is_tok = np.ones(total, dtype=bool)
+    is_tok[starts] = False
+    is_tok[starts + full - 1] = False
+    seq[is_tok] = flat
+    seq[starts] = bos
+    seq[starts + full - 1] = eos
+    pos = np.arange(total, dtype=np.int64) - np.repeat(starts, full)
+    if mode == "truncate":
+        return seq[pos < seq_len], np.minimum(full, seq_len), np.arange(n)
+    if mode != "chunk":
+        raise ConfigError(f"tokenizer.long_examples is {mode!r}; allowed values: ['truncate', 'chunk'].")
+    n_chunks = -(-full // seq_len)
+    row = np.repeat(np.arange(n), n_chunks)
+    k = np.arange(len(row)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)  # chunk index in its row
+    out_len = np.minimum(seq_len, full[row] - k * seq_len)
+    keep = out_len >= 2  # a one-token window has no next-token target
+    if keep.all():
+        return seq, out_len, row
+    chunk_of_tok = np.repeat(np.arange(len(row)), out_len)
+    return seq[keep[chunk_of_tok]], out_len[keep], row[keep]
+
+
+def _list_array(flat: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()))
+
+
+def _special(tok) -> tuple[int, int]:
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    if bos is None or eos is None:
+        raise DataError("the tokenizer in results/tokenizer has no bos/eos token ids; rebuild it.")
+    return int(bos), int(eos)
+
+
+def _schema_with_meta(schema: pa.Schema, tok, seq_len: int, mode: str) -> pa.Schema:
+    meta = {
+        "vocab_size": len(tok), "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id, "sequence_length": seq_len, "long_examples": mode,
+    }
+    return schema.with_metadata({"userdp": json.dumps(meta)})
+
+
+def tokenize_examples(
+    examples_path: str | Path, tok_dir: str | Path, out_path: str | Path, seq_len: int, mode: str = "truncate",
+    batch_rows: int = 10_000,
+) -> dict:
+    """Write tokens.parquet for examples.parquet, streaming in batches of `batch_rows`."""
+    tok = load_tokenizer(tok_dir)
+    bos, eos = _special(tok)
+    schema = _schema_with_meta(TOKENS_SCHEMA, tok, seq_len, mode)
+    n_in = n_out = n_trunc = n_tok = 0
+    next_id = 0
+    pf = pq.ParquetFile(examples_path)
+    progress = Progress(log, pf.metadata.num_rows, f"tokenize {Path(examples_path).parent.name}")
+    with ParquetBatchWriter(out_path, schema) as writer:
+        for batch in pf.iter_batches(batch_size=batch_rows):
+            progress.update(batch.num_rows)
+            flat, lengths = encode(tok, batch.column("text").to_pylist())
+            ids, out_len, row = frame(flat, lengths, bos, eos, seq_len, mode)
+            src_ids = batch.column("example_id").to_numpy()[row]
+            if mode == "chunk":
+                ex_ids = np.arange(next_id, next_id + len(row), dtype=np.int64)
+                next_id += len(row)
+            else:
+                ex_ids = src_ids
+            take = pa.array(row)
+            writer.write(
+                pa.table(
+                    {
+                        "user_id": batch.column("user_id").take(take),
+                        "example_id": pa.array(ex_ids, pa.int64()),
+                        "split": batch.column("split").take(take),
+                        "input_ids": _list_array(ids, out_len),
+                        "n_tokens": pa.array(out_len.astype(np.int32)),
+                        "source_example_id": pa.array(src_ids, pa.int64()),
+                    },
+                    schema=schema,
+                )
+            )
+            n_in += batch.num_rows
+            n_out += len(row)
+            n_trunc += int((lengths + 2 > seq_len).sum())
+            n_tok += int(out_len.sum())
+    return {"examples_in": n_in, "examples_out": n_out, "longer_than_sequence_length": n_trunc, "tokens": n_tok,
+            "sequence_length": seq_len, "long_examples": mode}
+
+
+def tokenize_public(
+    public_path: str | Path, tok_dir: str | Path, out_path: str | Path, seq_len: int, mode: str = "truncate",
+    batch_rows: int = 10_000,
+) -> dict:
+    """Write public_tokens.parquet (input_ids, n_tokens) for the public corpus."""
+    tok = load_tokenizer(tok_dir)
+    bos, eos = _special(tok)
+    schema = _schema_with_meta(PUBLIC_TOKENS_SCHEMA, tok, seq_len, mode)
+    n_out = n_tok = 0
+    with ParquetBatchWriter(out_path, schema) as writer:
+        for texts in _iter_texts(Path(public_path), batch_rows):
+            flat, lengths = encode(tok, texts)
+            ids, out_len, _ = frame(flat, lengths, bos, eos, seq_len, mode)
+            writer.write(pa.table({"input_ids": _list_array(ids, out_len), "n_tokens": pa.array(out_len.astype(np.int32))}, schema=schema))
+            n_out += len(out_len)
+            n_tok += int(out_len.sum())
+    return {"sequences": n_out, "tokens": n_tok}

@@ -1,0 +1,162 @@
+"""The per-dataset summary: one row per grid cell, plan, ledger and metrics flattened.
+
+Column names:
+- identification: dataset, method, epsilon (inf for the non-private runs),
+  budget (K), steps (T), seed, group_size (G actually used), is_group_sweep,
+  run_dir;
+- metrics.json fields as they are (test_loss, ..., learning_rate); the
+  learning-rate table `learning_rate_sweep` as JSON text;
+- every plan field prefixed `plan_`, every ledger field prefixed `ledger_`;
+  nested objects are flattened with dots (`ledger_versions.torch`) and lists
+  become JSON text, so the table also fits in a CSV;
+- from the chosen run's train log: train_final_loss (mean training loss over
+  the last 10% of logged steps) and train_steps_logged.
+
+A second table, train_curves.parquet, holds each cell's per-step training
+loss (chosen learning rate) for the training-curve figure, so plotting never
+reads run folders.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import pandas as pd
+
+from ..config import Cell, iter_cells
+from ..errors import DataError
+from ..io import atomic_path, read_json, write_parquet
+
+log = logging.getLogger(__name__)
+
+ID_COLUMNS = ["dataset", "method", "epsilon", "budget", "steps", "seed", "group_size", "is_group_sweep", "run_dir"]
+CURVE_COLUMNS = ["dataset", "method", "epsilon", "budget", "seed", "group_size", "is_group_sweep", "learning_rate", "step", "loss"]
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _scalar(v: Any) -> Any:
+    # write_json stores non-finite floats as strings; give them back as floats.
+    if isinstance(v, str) and v in _NONFINITE:
+        return _NONFINITE[v]
+    return v
+
+
+def flatten(obj: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Flatten nested mappings to `prefix + a.b.c` keys; lists become JSON text."""
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + sep, sep))
+        elif isinstance(v, (list, tuple, Mapping)):
+            out[key] = json.dumps(v)
+        else:
+            out[key] = _scalar(v)
+    return out
+
+
+def train_log_stats(train_log: pd.DataFrame) -> dict[str, Any]:
+    """Final training loss (mean over the last 10% of logged steps) and steps logged."""
+    if train_log.empty or "loss" not in train_log:
+        return {"train_final_loss": math.nan, "train_steps_logged": 0}
+    tail = max(1, len(train_log) // 10)
+    ordered = train_log.sort_values("step") if "step" in train_log else train_log
+    return {
+        "train_final_loss": float(ordered["loss"].iloc[-tail:].mean()),
+        "train_steps_logged": int(len(train_log)),
+    }
+
+
+def cell_row(cell: Cell, plan: Mapping, ledger: Mapping, metrics: Mapping, train_log: pd.DataFrame | None) -> dict:
+    """One summary row for a cell."""
+    g = cell.group_size if cell.group_size else _scalar(plan.get("group_size"))
+    row: dict[str, Any] = {
+        "dataset": cell.dataset,
+        "method": cell.method,
+        "epsilon": float(cell.epsilon),
+        "budget": int(cell.compute),
+        "steps": int(cell.steps),
+        "seed": int(cell.seed),
+        "group_size": None if g is None else int(g),
+        "is_group_sweep": cell.group_size is not None,
+        "run_dir": cell.run_dir,
+    }
+    row.update(flatten(metrics))
+    row.update(flatten(plan, "plan_"))
+    row.update(flatten(ledger, "ledger_"))
+    if train_log is not None:
+        row.update(train_log_stats(train_log))
+    return row
+
+
+def _normalise(df: pd.DataFrame) -> pd.DataFrame:
+    """Make every column Parquet-friendly: mixed-type object columns become text."""
+    for col in df.columns:
+        if df[col].dtype != object:
+            continue
+        kinds = {type(v) for v in df[col] if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        if len(kinds) > 1 and not kinds <= {int, float}:
+            df[col] = [None if v is None else str(v) for v in df[col]]
+        elif kinds <= {int, float} and kinds:
+            df[col] = pd.to_numeric(df[col])
+    return df
+
+
+def summary_frame(rows: Iterable[dict]) -> pd.DataFrame:
+    """Rows -> DataFrame with the identification columns first, sorted by cell."""
+    df = pd.DataFrame(list(rows))
+    if df.empty:
+        return pd.DataFrame(columns=ID_COLUMNS)
+    rest = [c for c in df.columns if c not in ID_COLUMNS]
+    df = df[ID_COLUMNS + rest]
+    df = df.sort_values(["is_group_sweep", "method", "epsilon", "budget", "group_size", "seed"], kind="stable")
+    return _normalise(df.reset_index(drop=True))
+
+
+def _read_json(path: str | os.PathLike, what: str) -> dict:
+    if not Path(path).exists():
+        raise DataError(f"{what} {path} does not exist; rerun the rule that writes it.")
+    return read_json(path)
+
+
+def build_summary(config: dict, dataset: str, root: str | os.PathLike = ".") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Summary rows and training curves of every cell of `dataset` in the config's grid."""
+    root = Path(root)
+    rows, curves = [], []
+    for cell in iter_cells(config):
+        if cell.dataset != dataset:
+            continue
+        run = root / cell.run_dir
+        plan = _read_json(root / cell.plan_path, "plan")
+        ledger = _read_json(run / "ledger.json", "ledger")
+        metrics = _read_json(run / "metrics.json", "metrics")
+        log_path = run / "train_log.parquet"
+        train_log = pd.read_parquet(log_path) if log_path.exists() else None
+        row = cell_row(cell, plan, ledger, metrics, train_log)
+        rows.append(row)
+        if train_log is not None and {"step", "loss"} <= set(train_log.columns):
+            c = train_log[["step", "loss"]].copy()
+            for k in CURVE_COLUMNS[:-2]:
+                c[k] = row.get(k)
+            curves.append(c[CURVE_COLUMNS])
+    summary = summary_frame(rows)
+    curve_df = pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(columns=CURVE_COLUMNS)
+    log.info("%s: %d cells summarised, %d training-curve points", dataset, len(summary), len(curve_df))
+    return summary, curve_df
+
+
+def write_csv(path: str | os.PathLike, df: pd.DataFrame) -> None:
+    """Write a DataFrame as CSV, atomically."""
+    with atomic_path(path, suffix=".csv") as tmp:
+        df.to_csv(tmp, index=False)
+
+
+def write_summary(summary: pd.DataFrame, curves: pd.DataFrame, parquet: str, csv: str, curves_path: str) -> None:
+    write_parquet(parquet, summary)
+    write_csv(csv, summary)
+    write_parquet(curves_path, curves)

@@ -1,0 +1,259 @@
+"""Next-token metrics of a causal language model on held-out users.
+
+The metric is the study's: next-token cross-entropy on users who were never
+trained on. Every token after the first (the bos token each row starts with)
+is a prediction target. We report
+
+- ``loss``: cross-entropy micro-averaged over all target tokens (primary);
+- ``loss_user_macro``: each user's own token-average, averaged over users, so
+  that users with many examples do not dominate;
+- ``perplexity`` = exp(``loss``);
+- ``accuracy``: share of target tokens whose argmax prediction is right.
+
+Only the validation and test splits can be evaluated (`load_eval_set`
+refuses the train split), and the chosen users are checked to have no rows
+in any other split before anything is evaluated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+
+from ..errors import DataError
+
+log = logging.getLogger(__name__)
+
+EVAL_SPLITS = ("validation", "test")
+TOKENS_COLUMNS = ("user_id", "split", "input_ids")
+METRIC_NAMES = ("loss", "loss_user_macro", "perplexity", "accuracy", "n_tokens", "n_examples", "n_users")
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The examples of the chosen users of one held-out split.
+
+    `user_ids[i]` owns `sequences[i]`; `users` is the sorted list of chosen users.
+    """
+
+    split: str
+    users: list[str]
+    user_ids: list[str]
+    sequences: list[np.ndarray]
+
+
+def derive_seed(root_seed: int, *parts: str | int) -> int:
+    """A 63-bit seed from the config seed and names (stable across runs and machines).
+
+    Python's `hash` is salted per process, so we use crc32 of the parts.
+    """
+    words = [int(root_seed)] + [zlib.crc32(str(p).encode("utf-8")) for p in parts]
+    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def choose_users(users: Sequence[str], max_users: int | None, seed: int) -> list[str]:
+    """All distinct `users`, or a seeded uniform choice of `max_users` of them (sorted)."""
+    unique = sorted(set(users))
+    if max_users is None or len(unique) <= max_users:
+        return unique
+    rng = np.random.default_rng(seed)
+    picked = rng.choice(len(unique), size=int(max_users), replace=False)
+    return sorted(unique[i] for i in picked)
+
+
+def check_held_out(tokens_path: str | os.PathLike, users: Sequence[str], split: str) -> None:
+    """Raise DataError if any of `users` (chosen from `split`) has rows in another split.
+
+    Evaluation users must never be training users (method.md section 1); this
+    guards against a tokens table that breaks the user-level split. Only the
+    chosen users' rows are scanned (predicate push-down), so it stays cheap
+    on large corpora.
+    """
+    table = ds.dataset(str(tokens_path), format="parquet").to_table(
+        columns=["user_id", "split"],
+        filter=ds.field("user_id").isin(list(users)) & (ds.field("split") != split),
+    )
+    if table.num_rows:
+        bad = sorted(set(table.column("user_id").to_pylist()))
+        others = sorted(set(table.column("split").to_pylist()))
+        raise DataError(
+            f"{tokens_path}: {len(bad)} {split} user(s) also have rows in split(s) {others} (e.g. {bad[:3]}); "
+            "train, validation and test users must be disjoint. Rebuild the data stage "
+            "(delete results/data/<dataset>/ and rerun)."
+        )
+
+
+def load_eval_set(
+    tokens_path: str | os.PathLike, split: str, max_users: int | None, seed: int
+) -> EvalSet:
+    """Read the token rows of a seeded choice of at most `max_users` users of `split`.
+
+    `split` must be "validation" or "test": training users are never evaluated.
+    """
+    if split not in EVAL_SPLITS:
+        raise ValueError(f"evaluation reads only the {EVAL_SPLITS} splits, not {split!r}")
+    path = Path(tokens_path)
+    if not path.exists():
+        raise DataError(f"tokens table {path} does not exist; run the data stage first (results/data/<dataset>/tokens.parquet).")
+    names = set(pq.read_schema(path).names)
+    missing = [c for c in TOKENS_COLUMNS if c not in names]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}; expected at least {list(TOKENS_COLUMNS)}.")
+    data = ds.dataset(str(path), format="parquet")
+    in_split = ds.field("split") == split
+    # Choose users from the user column alone; read token rows only for them.
+    candidates = data.to_table(columns=["user_id"], filter=in_split).column("user_id")
+    if len(candidates) == 0:
+        raise DataError(
+            f"{path}: no rows with split == {split!r}; the dataset needs {split} users "
+            f"(datasets.<name>.split.{split} > 0 in the config)."
+        )
+    users = choose_users(pc.unique(candidates).to_pylist(), max_users, seed)
+    check_held_out(path, users, split)
+    table = data.to_table(columns=list(TOKENS_COLUMNS), filter=in_split & ds.field("user_id").isin(users))
+    # A defensive second check on the rows actually used.
+    splits = set(table.column("split").to_pylist())
+    assert splits == {split}, f"rows of splits {splits} leaked into the {split} evaluation set"
+    sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
+    return EvalSet(split=split, users=users, user_ids=table.column("user_id").to_pylist(), sequences=sequences)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto` picks CUDA when available, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DataError("training.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'.")
+    return torch.device(device)
+
+
+def load_model(path_or_name: str | os.PathLike, device: torch.device, local: bool = True):
+    """Load a causal LM for evaluation, in float32 and eval mode.
+
+    `local=False` allows a Hugging Face hub name (config key model.name).
+    """
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path_or_name)
+    if local and not (p / "config.json").exists():
+        raise DataError(
+            f"model folder {p} has no config.json; the training (or pretraining) rule should have "
+            "written it with save_pretrained. Delete the folder and rerun that rule."
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(path_or_name), dtype=torch.float32)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def sequence_scores(
+    model: torch.nn.Module,
+    sequences: Sequence[np.ndarray],
+    batch_size: int,
+    device: torch.device | str = "cpu",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sequence: summed next-token NLL, number of correct argmax predictions, targets.
+
+    Sequences are sorted by length and right-padded per batch, so little
+    compute goes to padding; padded positions are masked out of every sum
+    (with right padding the real tokens never attend to pads under the causal
+    mask, and their positions are unchanged).
+    """
+    device = torch.device(device)
+    n = len(sequences)
+    nll = np.zeros(n, dtype=np.float64)
+    correct = np.zeros(n, dtype=np.int64)
+    n_targets = np.zeros(n, dtype=np.int64)
+    lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    for start in range(0, n, batch_size):
+        idx = order[start : start + batch_size]
+        width = int(lengths[idx].max())
+        if width < 2:  # only bos: nothing to predict
+            continue
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, : lengths[i]] = torch.from_numpy(sequences[i])
+            mask[row, : lengths[i]] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        targets = ids[:, 1:]
+        tmask = mask[:, 1:].bool()
+        token_nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        token_nll = token_nll.view(targets.shape).masked_fill(~tmask, 0.0)
+        hits = (logits.argmax(dim=-1) == targets) & tmask
+        nll[idx] = token_nll.double().sum(dim=1).cpu().numpy()
+        correct[idx] = hits.sum(dim=1).cpu().numpy()
+        n_targets[idx] = tmask.sum(dim=1).cpu().numpy()
+    return nll, correct, n_targets
+
+
+def summarise(nll: np.ndarray, correct: np.ndarray, n_targets: np.ndarray, user_ids: Sequence[str]) -> dict:
+    """Micro (token) and macro (user) averages of per-sequence sums."""
+    total = int(n_targets.sum())
+    if total == 0:
+        raise DataError("the evaluation set has no target tokens (every row is only the bos token).")
+    df = pd.DataFrame({"user": list(user_ids), "nll": nll, "n": n_targets})
+    per_user = df.groupby("user", sort=True)[["nll", "n"]].sum()
+    per_user = per_user[per_user["n"] > 0]
+    loss = float(nll.sum() / total)
+    return {
+        "loss": loss,
+        "loss_user_macro": float((per_user["nll"] / per_user["n"]).mean()),
+        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "accuracy": float(correct.sum() / total),
+        "n_tokens": total,
+        "n_examples": int(len(nll)),
+        "n_users": int(len(per_user)),
+    }
+
+
+def evaluate_set(model: torch.nn.Module, eval_set: EvalSet, batch_size: int, device: torch.device | str) -> dict:
+    """The metrics of `model` on one evaluation set."""
+    scores = sequence_scores(model, eval_set.sequences, batch_size, device)
+    return summarise(*scores, eval_set.user_ids)
+
+
+def evaluate_model(
+    model_path: str | os.PathLike,
+    tokens_path: str | os.PathLike,
+    *,
+    dataset: str,
+    root_seed: int,
+    max_users: int | None,
+    batch_size: int,
+    device: str = "auto",
+    local_model: bool = True,
+) -> dict:
+    """Validation and test metrics of the model at `model_path`, as flat `{split}_{metric}` fields.
+
+    The users are a seeded choice that depends on the config seed, the dataset
+    and the split only, so every run and the pretrained model are evaluated on
+    the same users (paired comparisons).
+    """
+    dev = resolve_device(device)
+    model = load_model(model_path, dev, local=local_model)
+    out: dict = {}
+    for split in EVAL_SPLITS:
+        seed = derive_seed(root_seed, "evaluation", dataset, split)
+        eval_set = load_eval_set(tokens_path, split, max_users, seed)
+        log.info("%s: %d users, %d examples", split, len(eval_set.users), len(eval_set.sequences))
+        metrics = evaluate_set(model, eval_set, batch_size, dev)
+        log.info("%s: loss %.4f, user-macro loss %.4f, accuracy %.4f", split, metrics["loss"],
+                 metrics["loss_user_macro"], metrics["accuracy"])
+        out.update({f"{split}_{k}": v for k, v in metrics.items()})
+    out["evaluation"] = {"max_users": max_users, "batch_size": batch_size, "seed": root_seed, "device": str(dev)}
+    return out

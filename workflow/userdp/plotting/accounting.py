@@ -1,0 +1,87 @@
+"""Figure: noise multiplier needed versus the contribution bound G, per accountant."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ..io import atomic_path  # noqa: E402
+
+STYLE = {
+    "els": {"color": "tab:blue", "marker": "o", "linestyle": "-"},
+    "group": {"color": "tab:red", "marker": "s", "linestyle": "--"},
+    "uls": {"color": "tab:green", "marker": None, "linestyle": ":"},
+}
+LABELS = {
+    "els": "ELS, tight accountant (mixture of Gaussians)",
+    "group": "ELS, group-privacy conversion",
+    "uls": "ULS (user-level sampling)",
+}
+
+
+def plot_noise_vs_group_size(parquet_path: str, png_path: str, pdf_path: str) -> None:
+    """One panel per epsilon: sigma versus G (log-log) for the three accountants.
+
+    Targets no sigma up to the configured maximum reaches (group privacy at
+    large G) are drawn as an open marker at the top edge, labelled.
+    """
+    df = pd.read_parquet(parquet_path)
+    epsilons = sorted(df["epsilon"].unique())
+    q, T, delta = df["sampling_rate"].iloc[0], int(df["steps"].iloc[0]), df["delta"].iloc[0]
+    n = len(epsilons)
+    fig, all_axes = plt.subplots(
+        2, n, figsize=(4.2 * n, 5.6), sharey="row", sharex=True, squeeze=False, gridspec_kw={"height_ratios": [2.2, 1]}
+    )
+    axes = all_axes[:1]
+    finite = df["noise_multiplier"].dropna()
+    top = float(finite.max()) * 1.6 if len(finite) else 10.0
+    for ax, eps in zip(axes[0], epsilons):
+        sub = df[df["epsilon"] == eps]
+        for kind in ("group", "els", "uls"):
+            d = sub[sub["accountant"] == kind].sort_values("group_size")
+            ok = d[d["noise_multiplier"].notna()]
+            ax.plot(ok["group_size"], ok["noise_multiplier"], label=LABELS[kind], **STYLE[kind])
+            bad = d[d["noise_multiplier"].isna()]
+            if len(bad):
+                ax.plot(bad["group_size"], [top] * len(bad), linestyle="none", marker="^", markerfacecolor="none",
+                        color=STYLE[kind]["color"], label=f"{LABELS[kind]}: infeasible")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"user-level ε = {eps:g}")
+        ax.grid(True, which="both", alpha=0.3)
+        # Lower row: how much more noise group privacy asks for than the tight accountant.
+        rax = all_axes[1][list(axes[0]).index(ax)]
+        piv = sub.pivot_table(index="group_size", columns="accountant", values="noise_multiplier")
+        if {"els", "group"} <= set(piv.columns):
+            ratio = (piv["group"] / piv["els"]).dropna()
+            rax.plot(ratio.index, ratio.values, color="tab:purple", marker="D")
+        rax.axhline(1.0, color="gray", linewidth=0.8)
+        rax.set_xscale("log", base=2)
+        gs = sorted(sub["group_size"].unique())
+        rax.set_xticks(gs)
+        rax.set_xticklabels([str(g) for g in gs])
+        rax.set_xlabel("contribution bound G (examples per user)")
+        rax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("noise multiplier σ\n(noise std / clip norm)")
+    all_axes[1][0].set_ylabel("σ group privacy /\nσ tight (ELS)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    seen = {}
+    for h, lab in zip(handles, labels):
+        seen.setdefault(lab, h)
+    for ax in axes[0][1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(3, len(seen)), frameon=False)
+    fig.suptitle(
+        f"Noise needed vs G at sampling rate q = {q:g}, T = {T} steps, δ = {delta:.0e}",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    for path, kw in ((png_path, {"dpi": 150}), (pdf_path, {})):
+        suffix = "." + str(path).rsplit(".", 1)[-1]
+        with atomic_path(path, suffix=suffix) as tmp:
+            fig.savefig(tmp, **kw)
+    plt.close(fig)

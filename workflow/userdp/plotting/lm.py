@@ -1,0 +1,332 @@
+"""Figures of the language-model fine-tuning grid (from the summary tables only).
+
+Each function takes the tables written by `userdp.evaluation.aggregate`
+(and the pretrained model's metrics) and returns a matplotlib Figure; the
+scripts save it. Nothing here trains or evaluates, so changing a plot never
+reruns training.
+
+Conventions: one colour and line style per method (ELS blue solid circles,
+ULS orange dashed squares); the non-private reference (epsilon = inf) and the
+pretrained model are horizontal reference lines; several seeds are shown as
+mean with a +-1 standard deviation bar.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+METHODS = {
+    "els": {"color": "tab:blue", "marker": "o", "linestyle": "-", "label": "DP-SGD-ELS (example-level sampling)"},
+    "uls": {"color": "tab:orange", "marker": "s", "linestyle": "--", "label": "DP-SGD-ULS (user-level sampling)"},
+}
+SHORT = {"els": "ELS", "uls": "ULS"}
+PRETRAINED_STYLE = {"color": "0.35", "linestyle": "-.", "linewidth": 1.5}
+LOSS_LABEL = "test loss (next-token cross-entropy, nats/token)"
+TRAIN_LOSS_LABEL = "training loss (batch mean cross-entropy, nats/token)"
+BUDGET_LABEL = "compute budget K (per-example gradient evaluations)"
+
+
+def _num(x: float) -> str:
+    if math.isinf(x):
+        return "∞"
+    return f"{x:g}"
+
+
+def _eps_label(eps: float) -> str:
+    return "ε = ∞ (non-private)" if math.isinf(eps) else f"ε = {_num(eps)}"
+
+
+def _budget_title(budget: int, steps: int | None) -> str:
+    t = f", T = {steps} steps" if steps is not None and not pd.isna(steps) else ""
+    return f"K = {int(budget):,} example gradients{t}"
+
+
+def _method_order(methods) -> list[str]:
+    return [m for m in METHODS if m in set(methods)] + sorted(set(methods) - set(METHODS))
+
+
+def _style(method: str) -> dict:
+    return METHODS.get(method, {"color": "tab:green", "marker": "^", "linestyle": "-.", "label": method})
+
+
+def mean_over_seeds(df: pd.DataFrame, keys: list[str], value: str = "test_loss") -> pd.DataFrame:
+    """Mean, standard deviation and count of `value` over seeds, per `keys`."""
+    g = df.groupby(keys, dropna=False)[value]
+    out = g.agg(["mean", "std", "count"]).reset_index()
+    out["std"] = out["std"].fillna(0.0)
+    return out
+
+
+def _n_seeds(df: pd.DataFrame) -> int:
+    return int(df["seed"].nunique()) if "seed" in df and len(df) else 0
+
+
+def _seed_note(df: pd.DataFrame) -> str:
+    n = _n_seeds(df)
+    return "1 seed" if n == 1 else f"mean ± sd over {n} seeds"
+
+
+def _main(summary: pd.DataFrame) -> pd.DataFrame:
+    return summary[~summary["is_group_sweep"].astype(bool)]
+
+
+def _pretrained_line(ax, pretrained_loss: float | None) -> None:
+    if pretrained_loss is not None and math.isfinite(pretrained_loss):
+        ax.axhline(pretrained_loss, **PRETRAINED_STYLE, label="pretrained model, no fine-tuning")
+
+
+def _delta_note(summary: pd.DataFrame) -> str:
+    for col in ("plan_delta", "ledger_delta"):
+        if col in summary and summary[col].notna().any():
+            vals = pd.to_numeric(summary[col], errors="coerce").dropna().unique()
+            if len(vals) == 1:
+                return f", δ = {vals[0]:.2g}"
+    return ""
+
+
+def _steps_for(df: pd.DataFrame, budget: int) -> int | None:
+    s = df.loc[df["budget"] == budget, "steps"] if "steps" in df else pd.Series([], dtype=float)
+    return int(s.iloc[0]) if len(s) else None
+
+
+def _grid_shape(n: int) -> tuple[int, int]:
+    cols = min(n, 3)
+    return math.ceil(n / cols), cols
+
+
+def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: str) -> Figure:
+    """Figure 4: test loss vs epsilon, one panel per compute budget.
+
+    Private cells are lines over epsilon; the non-private runs of each method
+    and the pretrained model are horizontal reference lines.
+    """
+    main = _main(summary)
+    budgets = sorted(main["budget"].unique())
+    rows, cols = _grid_shape(max(1, len(budgets)))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), sharey=True, squeeze=False,
+                             layout="constrained")
+    pre = _pretrained_value(pretrained)
+    private_eps = sorted(e for e in main["epsilon"].unique() if math.isfinite(e))
+    for ax, budget in zip(axes.flat, budgets):
+        sub = main[main["budget"] == budget]
+        stats = mean_over_seeds(sub, ["method", "epsilon"])
+        for m in _method_order(sub["method"].unique()):
+            st = _style(m)
+            priv = stats[(stats["method"] == m) & np.isfinite(stats["epsilon"])].sort_values("epsilon")
+            if len(priv):
+                ax.errorbar(priv["epsilon"], priv["mean"], yerr=priv["std"], color=st["color"], marker=st["marker"],
+                            linestyle=st["linestyle"], capsize=3, label=st["label"])
+            nonpriv = stats[(stats["method"] == m) & np.isinf(stats["epsilon"])]
+            if len(nonpriv):
+                ax.axhline(float(nonpriv["mean"].iloc[0]), color=st["color"], linestyle=":", linewidth=1.5,
+                           label=f"{SHORT.get(m, m)}, non-private (ε = ∞)")
+        _pretrained_line(ax, pre)
+        ax.set_xscale("log")
+        if private_eps:
+            ax.set_xticks(private_eps)
+            ax.set_xticklabels([_num(e) for e in private_eps])
+            ax.minorticks_off()
+            if len(private_eps) == 1:
+                ax.set_xlim(private_eps[0] / 2, private_eps[0] * 2)
+        ax.set_title(_budget_title(budget, _steps_for(sub, budget)), fontsize=10)
+        ax.set_xlabel(f"user-level privacy budget ε (log scale{_delta_note(sub)})")
+        ax.grid(True, alpha=0.3)
+    for ax in axes.flat[len(budgets):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(LOSS_LABEL)
+    _legend_below(fig, axes.flat[0])
+    fig.suptitle(f"{dataset}: test loss vs privacy budget ε ({_seed_note(main)}; "
+                 "learning rate chosen on validation users)", fontsize=11)
+    return fig
+
+
+def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: str) -> Figure:
+    """Figure 5: test loss vs compute budget, one line per (method, epsilon).
+
+    Colour encodes epsilon (non-private in black), line style the method.
+    """
+    main = _main(summary)
+    stats = mean_over_seeds(main, ["method", "epsilon", "budget"])
+    eps_values = sorted(stats["epsilon"].unique())
+    finite = [e for e in eps_values if math.isfinite(e)]
+    colours = _eps_colours(finite)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for m in _method_order(stats["method"].unique()):
+        st = _style(m)
+        for e in eps_values:
+            s = stats[(stats["method"] == m) & (stats["epsilon"] == e)].sort_values("budget")
+            if not len(s):
+                continue
+            ax.errorbar(s["budget"], s["mean"], yerr=s["std"], color=colours.get(e, "black"), marker=st["marker"],
+                        linestyle=st["linestyle"], capsize=3, label=f"{SHORT.get(m, m)}, {_eps_label(e)}")
+    _pretrained_line(ax, _pretrained_value(pretrained))
+    budgets = sorted(stats["budget"].unique())
+    ax.set_xscale("log")
+    ax.set_xticks(budgets)
+    ax.set_xticklabels([f"{int(b):,}" for b in budgets])
+    ax.minorticks_off()
+    if len(budgets) == 1:
+        ax.set_xlim(budgets[0] / 2, budgets[0] * 2)
+    ax.set_xlabel(BUDGET_LABEL + ", log scale")
+    ax.set_ylabel(LOSS_LABEL)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    title = f"{dataset}: test loss vs compute budget ({_seed_note(main)})"
+    if len(budgets) == 1:
+        title += "\nonly one budget configured (grid.budgets): one point per line"
+    ax.set_title(title, fontsize=11)
+    return fig
+
+
+def loss_vs_group_size(
+    summary: pd.DataFrame, pretrained: Mapping | None, dataset: str, epsilon: float, budget: int
+) -> Figure:
+    """Figure 6: test loss vs contribution bound G, per method, with the heuristic's G marked.
+
+    Uses the G-sweep cells (run at `epsilon` and `budget`). The main cells at
+    the same epsilon and budget ran at the G chosen by the heuristic (median
+    for ELS, predicted SNR for ULS); they are drawn as stars with a vertical
+    line. Without sweep cells only those points are drawn, and the title says so.
+    """
+    sweep = summary[summary["is_group_sweep"].astype(bool)]
+    main = _main(summary)
+    at = main[(main["epsilon"] == float(epsilon)) & (main["budget"] == int(budget))]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    sweep_stats = mean_over_seeds(sweep, ["method", "group_size"]) if len(sweep) else None
+    heur_stats = mean_over_seeds(at, ["method", "group_size"]) if len(at) else None
+    methods = _method_order(pd.concat([sweep["method"], at["method"]]).unique())
+    all_g: list[float] = []
+    for m in methods:
+        st = _style(m)
+        if sweep_stats is not None:
+            s = sweep_stats[sweep_stats["method"] == m].sort_values("group_size")
+            if len(s):
+                ax.errorbar(s["group_size"], s["mean"], yerr=s["std"], color=st["color"], marker=st["marker"],
+                            linestyle=st["linestyle"], capsize=3, label=f"{st['label']}, G sweep")
+                all_g += list(s["group_size"])
+        if heur_stats is not None:
+            h = heur_stats[heur_stats["method"] == m]
+            for _, r in h.iterrows():
+                ax.errorbar([r["group_size"]], [r["mean"]], yerr=[r["std"]], color=st["color"], marker="*",
+                            markersize=15, markeredgecolor="black", linestyle="none", capsize=3,
+                            label=f"{SHORT.get(m, m)}, heuristic G = {int(r['group_size'])}")
+                ax.axvline(r["group_size"], color=st["color"], linestyle=":", linewidth=1.2)
+                all_g.append(r["group_size"])
+    _pretrained_line(ax, _pretrained_value(pretrained))
+    ax.set_xscale("log", base=2)
+    gs = sorted({int(g) for g in all_g if pd.notna(g)})
+    if gs:
+        ax.set_xticks(gs)
+        ax.set_xticklabels([str(g) for g in gs])
+        ax.minorticks_off()
+        if len(gs) == 1:
+            ax.set_xlim(gs[0] / 2, gs[0] * 2)
+    ax.set_xlabel("contribution bound G (max examples per user, log scale)")
+    ax.set_ylabel(LOSS_LABEL)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    where = f"ε = {_num(float(epsilon))}, K = {int(budget):,}"
+    if len(sweep):
+        title = f"{dataset}: test loss vs G ({where}; {_seed_note(sweep)})"
+    else:
+        title = (f"{dataset}: test loss at the heuristic's G ({where})\n"
+                 "no G sweep configured (grid.group_size_sweep is empty): only the heuristic's G is shown")
+    ax.set_title(title, fontsize=11)
+    return fig
+
+
+def smooth(values: pd.Series, window: int) -> pd.Series:
+    """Centred rolling mean (shorter windows at the ends)."""
+    return values.rolling(window=max(1, window), center=True, min_periods=1).mean()
+
+
+def training_curves(curves: pd.DataFrame, dataset: str, window: int | None = None) -> Figure:
+    """Figure 7: smoothed training loss vs step for each main cell's chosen-LR run.
+
+    One panel per compute budget; colour encodes epsilon (non-private black),
+    line style the method; each seed is its own line.
+    """
+    main = curves[~curves["is_group_sweep"].astype(bool)] if len(curves) else curves
+    budgets = sorted(main["budget"].unique()) if len(main) else []
+    rows, cols = _grid_shape(max(1, len(budgets)))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), squeeze=False,
+                             layout="constrained")
+    finite = sorted(e for e in main["epsilon"].unique() if math.isfinite(e)) if len(main) else []
+    colours = _eps_colours(finite)
+    for ax, budget in zip(axes.flat, budgets):
+        sub = main[main["budget"] == budget]
+        n_steps = int(sub.groupby(["method", "epsilon", "seed"]).size().max())
+        w = window if window is not None else max(1, round(n_steps / 10))
+        for (m, e, seed), run in sub.groupby(["method", "epsilon", "seed"], sort=True):
+            run = run.sort_values("step")
+            st = _style(m)
+            ax.plot(run["step"], smooth(run["loss"], w), color=colours.get(e, "black"), linestyle=st["linestyle"],
+                    linewidth=1.3, alpha=0.85)
+        smooth_note = f"rolling mean over {w} steps" if w > 1 else "unsmoothed"
+        ax.set_title(_budget_title(budget, int(sub["step"].max()) if len(sub) else None) + f"\n({smooth_note})",
+                     fontsize=10)
+        ax.set_xlabel("training step")
+        ax.grid(True, alpha=0.3)
+    for ax in axes.flat[len(budgets):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(TRAIN_LOSS_LABEL)
+    handles = [Line2D([], [], color="0.3", linestyle=_style(m)["linestyle"], label=_style(m)["label"])
+               for m in _method_order(main["method"].unique() if len(main) else [])]
+    handles += [Line2D([], [], color=colours[e], label=_eps_label(e)) for e in finite]
+    if len(main) and np.isinf(main["epsilon"]).any():
+        handles.append(Line2D([], [], color="black", label=_eps_label(math.inf)))
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
+    n = _n_seeds(main)
+    seeds = "1 seed" if n == 1 else f"{n} seeds, one line each"
+    fig.suptitle(f"{dataset}: training loss of each cell's chosen-learning-rate run ({seeds}; G-sweep runs left out)",
+                 fontsize=11)
+    if not len(main):
+        axes[0, 0].text(0.5, 0.5, "no training logs", ha="center", va="center", transform=axes[0, 0].transAxes)
+    return fig
+
+
+def _eps_colours(finite_eps: list[float]) -> dict:
+    """Viridis colours per private epsilon, kept away from its near-black end (black = non-private)."""
+    cmap = plt.get_cmap("viridis")
+    if len(finite_eps) == 1:
+        return {finite_eps[0]: cmap(0.45)}
+    return {e: cmap(0.15 + 0.75 * i / (len(finite_eps) - 1)) for i, e in enumerate(finite_eps)}
+
+
+def _pretrained_value(pretrained: Mapping | None) -> float | None:
+    if not pretrained:
+        return None
+    try:
+        return float(pretrained.get("test_loss"))
+    except (TypeError, ValueError):
+        return None
+
+
+def _legend_below(fig: Figure, ax) -> None:
+    handles, labels = [], []
+    for a in fig.axes:
+        for h, l in zip(*a.get_legend_handles_labels()):
+            if l not in labels:
+                handles.append(h)
+                labels.append(l)
+    # private lines first, then the non-private references, then the pretrained model
+    rank = [0 if l.startswith("DP-SGD") else 1 if "non-private" in l else 2 for l in labels]
+    order = sorted(range(len(labels)), key=lambda i: (rank[i], i))
+    handles, labels = [handles[i] for i in order], [labels[i] for i in order]
+    if handles:
+        ncol = min(3, len(handles))
+        fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False)

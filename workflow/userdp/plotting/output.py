@@ -1,0 +1,25 @@
+"""Saving figures: every format atomically, headless backend."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on cluster nodes or CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ..io import atomic_path  # noqa: E402
+
+
+def save_figure(fig: "matplotlib.figure.Figure", *paths: str | os.PathLike, dpi: int = 150) -> None:
+    """Write `fig` to each path (format from the extension, e.g. .png, .pdf), then close it."""
+    try:
+        for path in paths:
+            ext = Path(path).suffix.lstrip(".").lower()
+            with atomic_path(path, suffix="." + ext) as tmp:
+                fig.savefig(tmp, format=ext, dpi=dpi, bbox_inches="tight")
+    finally:
+        plt.close(fig)

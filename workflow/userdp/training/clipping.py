@@ -1,0 +1,471 @@
+"""Clipped per-example (ELS) and per-user (ULS) gradient sums for causal LMs.
+
+`ClippedGradients(model, clip_norm).accumulate(...)` adds sum_u clip(g_u) to
+the `.grad` of every trainable parameter, where g_u is the gradient of unit u
+(an example, or a user's rows weighted 1/m_u). It never forms per-example
+gradients of the big matrices blindly and never runs one backward per unit:
+
+1. forward with hooks on every parameterised module (Linear, GPT-2 Conv1D,
+   Embedding, LayerNorm, RMSNorm): the layer inputs are kept and the outputs
+   get a tensor hook that receives the output gradient;
+2. one backward with all trainable parameters temporarily frozen, so autograd
+   computes activation gradients only (no weight gradient is computed twice);
+3. per-unit norms from (input, output-gradient) pairs, by the cheapest exact
+   formula per parameter and unit size (`grad_norms`: ghost norm, or
+   per-unit gradients instantiated in the backward hook), with shared
+   parameters (tied embeddings) grouped by identity so cross terms count;
+4. clip factors, then the weight gradients once: a weighted sum of the
+   instantiated per-unit gradients, or the ordinary weight-gradient matmul
+   with each row reweighted by its unit's factor.
+
+Rows are sorted by (size of their unit, unit id) so a user's rows are
+contiguous and users of equal size reshape into one batch without padding.
+
+This is the "book-keeping" scheme with mixed ghost norms of fastDP (Bu et al.,
+ICML 2023). Broadcast position ids (GPT-2 builds them as [1, L]) are expanded
+to the batch in the hook, so each example gets its own position-embedding
+gradient. With clip_norm=None it is an ordinary backward (non-private
+reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from userdp.errors import ConfigError
+from userdp.training import grad_norms as gn
+
+NORM_METHODS = ("auto", "ghost", "instantiate")
+
+
+class UnsupportedModelError(ConfigError):
+    """The model has trainable parameters in layers whose per-unit norms we cannot compute."""
+
+
+@dataclass(frozen=True)
+class _Use:
+    """One (module, parameter) pair: how the parameter's gradient is formed there."""
+
+    module: nn.Module
+    kind: str  # linear | conv1d | embedding | layernorm | rmsnorm
+    role: str  # weight | bias
+    param: nn.Parameter
+
+
+def _conv1d_class() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers is a dependency, but keep the module importable without it
+        return None
+    return Conv1D
+
+
+def _rms_eps(module: nn.Module) -> float | None:
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(module, "eps", None)
+    if eps is None and isinstance(module, nn.RMSNorm):
+        return None  # torch uses finfo(dtype).eps
+    return eps
+
+
+def _normalized(module: nn.Module, kind: str, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The normalised input xhat of a norm layer (its output is weight * xhat [+ bias])."""
+    if kind == "layernorm":
+        return F.layer_norm(x.to(dtype), module.normalized_shape, eps=module.eps)
+    eps = _rms_eps(module)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    # LlamaRMSNorm: x in float32, x * rsqrt(mean(x^2) + eps), cast back to the input dtype;
+    # torch's nn.RMSNorm computes in the input dtype.
+    xs = x.to(norm_dtype_of(x)) if isinstance(module, nn.RMSNorm) else x.to(torch.float32)
+    out = xs * torch.rsqrt(xs.square().mean(-1, keepdim=True) + eps)
+    return out.to(x.dtype).to(dtype)
+
+
+def norm_dtype_of(x: Tensor) -> torch.dtype:
+    return gn.norm_dtype(x.dtype)
+
+
+def _module_kind(module: nn.Module) -> str | None:
+    """Classify a module whose parameter gradients we know how to compute, else None."""
+    conv1d = _conv1d_class()
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return "linear"
+    if conv1d is not None and isinstance(module, conv1d) and type(module).forward is conv1d.forward:
+        return "conv1d"
+    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
+        if module.max_norm is None and not module.scale_grad_by_freq and not module.sparse:
+            return "embedding"
+        return None
+    if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
+        return "layernorm"
+    if isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm"):
+        if _rms_matches(module):
+            return "rmsnorm"
+    return None
+
+
+@torch.no_grad()
+def _rms_matches(module: nn.Module) -> bool:
+    """Check numerically that an RMSNorm-like module computes weight * x / rms(x).
+
+    Variants such as Gemma's (1 + weight) scaling fail the check and are
+    reported as unsupported rather than clipped wrongly.
+    """
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return False
+    if any(n != "weight" for n, _ in module.named_parameters(recurse=False)):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, weight.numel(), generator=gen).to(weight.device, weight.dtype)
+    try:
+        got = module(x)
+    except Exception:  # noqa: BLE001 - any failure means we do not understand this module
+        return False
+    want = weight * _normalized(module, "rmsnorm", x, weight.dtype)
+    tol = 1e-2 if weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol)
+
+
+def _collect_uses(model: nn.Module) -> tuple[list[nn.Parameter], list[_Use]]:
+    """Find every trainable parameter and each module that uses it; raise on unsupported layers."""
+    uses: list[_Use] = []
+    bad: list[str] = []
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        kind = _module_kind(module)
+        allowed = {"linear": ("weight", "bias"), "conv1d": ("weight", "bias"), "embedding": ("weight",),
+                   "layernorm": ("weight", "bias"), "rmsnorm": ("weight",)}.get(kind or "", ())
+        for pname, p in own:
+            if pname in allowed:
+                uses.append(_Use(module, kind, pname, p))
+            else:
+                bad.append(f"{name or '<root>'}.{pname} ({type(module).__module__}.{type(module).__qualname__})")
+    if bad:
+        raise UnsupportedModelError(
+            "DP clipping cannot compute per-unit gradient norms for these trainable parameters: "
+            + ", ".join(bad)
+            + ". Supported layers: nn.Linear, transformers Conv1D, nn.Embedding (no max_norm/sparse/"
+            "scale_grad_by_freq), nn.LayerNorm, Llama-style RMSNorm (weight * x / rms(x)). Freeze these "
+            "parameters (requires_grad=False) or use a GPT-2/Llama-family model."
+        )
+    seen: dict[int, nn.Parameter] = {}
+    for u in uses:
+        seen.setdefault(id(u.param), u.param)
+    return list(seen.values()), uses
+
+
+def row_losses(logits: Tensor, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean next-token cross-entropy per row [B] and the number of valid targets per row [B].
+
+    Target position t+1 counts when both t and t+1 are inside the attention
+    mask. Computed on the full logits tensor (labels shifted, invalid ones
+    ignored) to avoid copying the [B, L, V] logits.
+    """
+    b, length, vocab = logits.shape
+    valid = torch.zeros_like(attention_mask, dtype=torch.bool)
+    valid[:, :-1] = (attention_mask[:, 1:] != 0) & (attention_mask[:, :-1] != 0)
+    labels = torch.full_like(input_ids, -100)
+    labels[:, :-1] = input_ids[:, 1:]
+    labels = labels.masked_fill(~valid, -100)
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=-100, reduction="none")
+    n_valid = valid.sum(1)
+    return ce.view(b, length).sum(1) / n_valid.clamp(min=1).to(ce.dtype), n_valid
+
+
+class ClippedGradients:
+    """Adds clipped per-unit gradient sums into `.grad` of a causal LM's trainable parameters.
+
+    clip_norm=None gives the non-private reference (plain gradient of
+    sum_r w_r loss_r, no norms computed). normalize=True uses normalized
+    clipping C * g_u / ||g_u||. norm_method forces the per-parameter norm
+    formula ("ghost" or "instantiate") for matrices; "auto" picks the cheaper.
+    The set of trainable parameters is fixed at construction.
+    """
+
+    def __init__(self, model: nn.Module, clip_norm: float | None, normalize: bool = False,
+                 norm_method: str = "auto") -> None:
+        if clip_norm is not None and not clip_norm > 0:
+            raise ConfigError(f"clip norm must be positive or None (non-private), got {clip_norm!r}")
+        if norm_method not in NORM_METHODS:
+            raise ConfigError(f"norm_method must be one of {NORM_METHODS}, got {norm_method!r}")
+        self.model = model
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.normalize = bool(normalize)
+        self.norm_method = norm_method
+        self.params, self._uses = _collect_uses(model)
+        ckpt = getattr(model, "is_activation_checkpointing", None)
+        if ckpt is None:
+            ckpt = getattr(model, "is_gradient_checkpointing", False)
+        if self.clip_norm is not None and ckpt:
+            raise ConfigError("DP clipping does not support gradient checkpointing (the forward would run twice); "
+                              "disable it on the model")
+        self._ids = {id(p) for p in self.params}
+        # per-call state
+        self._states: dict[int, gn.ParamState] = {}
+        self._layout: gn.UnitLayout | None = None
+        self._batch = (0, 0)
+        self._low: torch.dtype | None = None
+
+    # ------------------------------------------------------------------ API
+    def accumulate(self, input_ids: Tensor, attention_mask: Tensor, unit_ids: Tensor, row_weights: Tensor) -> dict:
+        """Add sum_u clip(g_u) into p.grad; rows with unit_ids == -1 are ignored.
+
+        Returns loss_sum (sum of row losses), n_rows, n_units, unit_ids (the
+        units, ascending), unit_norms (their pre-clip gradient norms, same
+        order; empty when clip_norm is None) and clipped_fraction.
+        """
+        self._check_trainable()
+        device = next(self.model.parameters()).device
+        keep = (unit_ids >= 0).to(input_ids.device)
+        input_ids = input_ids[keep].to(device)
+        attention_mask = attention_mask[keep].to(device)
+        unit_ids = unit_ids.to(keep.device)[keep].to(device)
+        row_weights = row_weights.to(keep.device)[keep].to(device)
+        n_rows = int(input_ids.shape[0])
+        empty = torch.empty(0, device=device)
+        if n_rows == 0:
+            self._ensure_grads()
+            return self._stats(0.0, 0, unit_ids, empty, 0.0)
+        lengths = attention_mask.sum(1)
+        if not torch.equal(attention_mask.cumprod(1).sum(1), lengths):
+            raise ValueError("attention_mask rows must be right-padded (ones, then zeros)")
+        # Right padding + causal attention: positions past the longest row never
+        # influence a loss, so drop them (same for the non-private path).
+        max_len = max(int(lengths.max()), 1)
+        input_ids, attention_mask = input_ids[:, :max_len], attention_mask[:, :max_len]
+        units, inverse, counts = torch.unique(unit_ids, return_inverse=True, return_counts=True)
+
+        if self.clip_norm is None:
+            losses = self._forward_losses(input_ids, attention_mask)
+            (losses * row_weights.to(losses.dtype)).sum().backward()
+            self._ensure_grads()
+            return self._stats(float(losses.detach().sum()), n_rows, units, empty, 0.0)
+
+        # Sort rows by (rows of their unit, unit id): each unit's rows become
+        # contiguous and units of equal size form reshape-able groups.
+        rank = torch.empty_like(counts)
+        rank[torch.argsort(counts, stable=True)] = torch.arange(counts.numel(), device=device)
+        row_unit = rank[inverse]
+        perm = torch.argsort(row_unit, stable=True)
+        layout = gn.UnitLayout.from_sorted_rows(row_unit[perm], max_len)
+        loss_sum, norms = self._clipped_pass(input_ids[perm], attention_mask[perm], row_weights[perm], layout)
+        norms = norms[rank]  # back to ascending unit id
+        clipped = float((norms > self.clip_norm).float().mean())
+        return self._stats(loss_sum, n_rows, units, norms, clipped)
+
+    # ------------------------------------------------------------ internals
+    @staticmethod
+    def _stats(loss_sum: float, n_rows: int, units: Tensor, norms: Tensor, clipped: float) -> dict:
+        return {"loss_sum": loss_sum, "n_rows": n_rows, "n_units": int(units.numel()), "unit_ids": units,
+                "unit_norms": norms.detach(), "clipped_fraction": clipped}
+
+    def _check_trainable(self) -> None:
+        now = {id(p) for p in self.model.parameters() if p.requires_grad}
+        if now != self._ids:
+            raise RuntimeError("the set of trainable parameters changed after ClippedGradients was built; "
+                               "build a new one after freezing/unfreezing")
+
+    def _ensure_grads(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _forward_losses(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return row_losses(out.logits, input_ids, attention_mask)[0]
+
+    def _clipped_pass(self, input_ids: Tensor, attention_mask: Tensor, row_weights: Tensor,
+                      layout: gn.UnitLayout) -> tuple[float, Tensor]:
+        self._layout = layout
+        # Under autocast, per-unit gradients and the final weight gradients use
+        # the autocast dtype (as autocast's own backward would); norms are
+        # always reduced in float32 or wider.
+        dev = input_ids.device.type
+        self._low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        self._batch = tuple(input_ids.shape)
+        has_dense = {id(u.param) for u in self._uses if u.kind in ("linear", "conv1d") and u.role == "weight"}
+        has_index = {id(u.param) for u in self._uses if u.kind == "embedding"}
+        self._states = {id(p): gn.plan_param(p, id(p) in has_dense, id(p) in has_index, layout, self.norm_method)
+                        for p in self.params}
+        for st in self._states.values():
+            # embedding rows add up over repeated tokens: keep those buffers in float32 or wider
+            low_ok = self._low is not None and id(st.param) not in has_index
+            st.inst_dtype = self._low if low_ok else gn.norm_dtype(st.param.dtype)
+        handles = []
+        try:
+            for p in self.params:
+                p.requires_grad_(False)
+            by_module: dict[int, list[_Use]] = {}
+            for u in self._uses:
+                by_module.setdefault(id(u.module), []).append(u)
+            for uses in by_module.values():
+                handles.append(uses[0].module.register_forward_hook(functools.partial(self._forward_hook, uses),
+                                                                    with_kwargs=True))
+            losses = self._forward_losses(input_ids, attention_mask)
+            weighted = (losses * row_weights.to(losses.dtype)).sum()
+            for h in handles:
+                h.remove()
+            handles = []
+            if weighted.requires_grad:
+                weighted.backward()
+            loss_sum = float(losses.detach().sum())
+            del losses, weighted
+            with _no_autocast(input_ids.device):
+                norms = self._unit_norms()
+                factors = self._clip_factors(norms)
+                self._add_clipped_grads(factors)
+            return loss_sum, norms
+        finally:
+            for h in handles:
+                h.remove()
+            for p in self.params:
+                p.requires_grad_(True)
+            self._states = {}
+            self._layout = None
+
+    def _forward_hook(self, uses: list[_Use], module: nn.Module, args: tuple, kwargs: dict,
+                      output: Tensor) -> Tensor | None:
+        """Keep the layer input; hook the output so its gradient reaches `_on_grad`."""
+        b, length = self._batch
+        x = args[0] if args else (next(iter(kwargs.values())) if len(kwargs) == 1 else None)
+        if not isinstance(x, Tensor) or not isinstance(output, Tensor):
+            raise RuntimeError(f"DP clipping: could not find the input/output tensor of {type(module).__name__}")
+        kind = uses[0].kind
+        replaced = None
+        if kind == "embedding":
+            if x.shape[0] == 1 and b > 1:
+                # GPT-2 builds position ids as [1, L]; expand so each row gets its own gradient.
+                x = x.expand(b, *x.shape[1:])
+                if not output.requires_grad:
+                    output.requires_grad_(True)
+                output = replaced = output.expand(b, *output.shape[1:])
+        if tuple(x.shape[:2]) != (b, length):
+            raise RuntimeError(f"DP clipping: layer {type(module).__name__} saw input of shape {tuple(x.shape)}, "
+                               f"expected leading dims {(b, length)} (batch, sequence)")
+        if not output.requires_grad:
+            # nothing trainable upstream (e.g. the input embedding): make this output a graph input
+            output.requires_grad_(True)
+        x = x.detach()
+        version = x._version
+        output.register_hook(functools.partial(self._on_grad, uses, module, x, version))
+        return replaced
+
+    def _on_grad(self, uses: list[_Use], module: nn.Module, x: Tensor, version: int, g: Tensor) -> None:
+        """Turn (layer input, output gradient) into per-parameter records, or reduce them at once."""
+        if x._version != version:
+            raise RuntimeError(f"DP clipping: the input of {type(module).__name__} was modified in place after "
+                               "the layer ran; its per-unit gradients would be wrong")
+        layout = self._layout
+        with _no_autocast(g.device):
+            g = g.detach()
+            for use in uses:
+                st = self._states[id(use.param)]
+                dt = gn.norm_dtype(use.param.dtype)
+                inst_dt = st.inst_dtype
+                if use.kind in ("linear", "conv1d") and use.role == "weight":
+                    rec = gn.DenseRecord(row=g, col=x) if use.kind == "linear" else gn.DenseRecord(row=x, col=g)
+                    gn.instantiate_dense(rec, layout, st, inst_dt)
+                    if st.n_ghost:
+                        st.dense.append(rec)
+                elif use.kind == "embedding":
+                    pad = module.padding_idx
+                    ge = g if pad is None else g.masked_fill((x == pad)[..., None], 0)
+                    rec = gn.IndexRecord(ids=x, g=ge)
+                    if st.kind == "matrix":
+                        gn.instantiate_index(rec, layout, st, inst_dt)
+                    if st.kind == "sparse" or st.n_ghost:
+                        st.index.append(rec)
+                else:  # vector pieces: biases and norm weights, keep per-row sums only
+                    v = g.to(dt) if use.role == "bias" else g.to(dt) * _normalized(module, use.kind, x, dt)
+                    rs = v.reshape(v.shape[0], v.shape[1], -1).sum(1)
+                    st.row_sums = rs if st.row_sums is None else st.row_sums + rs
+
+    def _unit_norms(self) -> Tensor:
+        """Per-unit gradient norms over all trainable parameters jointly [U] (sorted unit order)."""
+        layout = self._layout
+        device = self.params[0].device
+        dt = gn.norm_dtype(self.params[0].dtype)
+        sq = torch.zeros(layout.n_units, dtype=dt, device=device)
+        # vectors (biases, norm weights): one segment sum over all of them at once
+        vec = [st.row_sums for st in self._states.values() if st.kind == "vector" and st.row_sums is not None]
+        if vec:
+            rows = torch.cat([v.to(dt) for v in vec], dim=1)
+            per_unit = torch.zeros(layout.n_units, rows.shape[1], dtype=dt, device=device)
+            per_unit.index_add_(0, layout.row_unit, rows)
+            sq += per_unit.square().sum(1)
+        for st in self._states.values():
+            if st.kind == "vector":
+                continue
+            part = torch.zeros(layout.n_units, dtype=gn.norm_dtype(st.param.dtype), device=device)
+            gn.ghost_sq_norms(st, layout, part)
+            for grp, ug in zip(layout.groups[st.n_ghost:], st.unit_grads):
+                if ug is not None:
+                    part[grp.unit_lo: grp.unit_hi] += torch.linalg.vector_norm(
+                        ug.reshape(grp.n_units, -1), dim=1, dtype=part.dtype).square()
+            sq += part.to(dt)
+        return sq.clamp(min=0).sqrt()
+
+    def _clip_factors(self, norms: Tensor) -> Tensor:
+        c = self.clip_norm
+        if self.normalize:
+            return c / norms.clamp(min=torch.finfo(norms.dtype).tiny)
+        return torch.where(norms > c, c / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
+
+    def _add_clipped_grads(self, factors: Tensor) -> None:
+        """Add sum_u factor_u * g_u into p.grad for every trainable parameter."""
+        layout = self._layout
+        row_f = factors[layout.row_unit]
+        for st in self._states.values():
+            p = st.param
+            dt = gn.norm_dtype(p.dtype)
+            parts: list[Tensor] = []
+            if st.kind == "vector":
+                if st.row_sums is not None:
+                    parts.append((row_f.to(dt) @ st.row_sums.to(dt)).view(p.shape))
+            else:
+                n_rows = st.ghost_rows(layout)
+                for grp, ug in zip(layout.groups[st.n_ghost:], st.unit_grads):
+                    if ug is not None:
+                        f = factors[grp.unit_lo: grp.unit_hi].to(dt)
+                        parts.append((f @ ug.reshape(grp.n_units, -1).to(dt)).view(p.shape))
+                st.unit_grads = []
+                if n_rows:
+                    for rec in st.dense:
+                        parts.append(gn.weighted_dense_grad(rec, row_f, n_rows, self._low))
+                    if st.index:
+                        n_vocab = p.shape[0]
+                        uniq, rows = gn.sparse_index_rows(st.index, layout, n_rows, n_vocab, dt)
+                        unit = torch.div(uniq, n_vocab, rounding_mode="floor")
+                        emb = torch.zeros(p.shape, dtype=dt, device=p.device)
+                        emb.index_add_(0, uniq - unit * n_vocab, rows * factors.to(dt)[unit][:, None])
+                        parts.append(emb)
+                st.dense, st.index = [], []
+            st.row_sums = None
+            for part in parts:
+                if p.grad is None:
+                    p.grad = part.to(p.dtype)
+                else:
+                    p.grad.add_(part)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
+def _no_autocast(device: torch.device):
+    """Disable autocast for norm arithmetic (the caller may run accumulate under autocast)."""
+    try:
+        return torch.autocast(device_type=device.type, enabled=False)
+    except RuntimeError:
+        return contextlib.nullcontext()
