@@ -45,6 +45,9 @@ rule finetune:
     log:
         "results/logs/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.log",
     threads: config["training"]["threads"]
+    # gpu > 1 (training.gpus, or set-resources finetune: gpu: N in a profile):
+    # the script runs the job as that many data-parallel processes (torchrun,
+    # one GPU each; userdp.training.distributed), sharing `threads`.
     resources:
         mem_mb=config["resources"]["finetune_mem_mb"],
         runtime=config["resources"]["finetune_runtime"],

@@ -1,16 +1,17 @@
-"""Snakemake script: one DP (or eps=inf) fine-tuning run of one cell at one learning rate (rule finetune)."""
+"""Snakemake script: one DP (or eps=inf) fine-tuning run of one cell at one learning rate (rule finetune).
+
+With a `gpu` resource above 1 (training.gpus, or the profile's set-resources)
+the run is spread over that many data-parallel processes (torchrun); see
+userdp.training.distributed.
+"""
 
 import copy
 from pathlib import Path
 
-import torch
-
 import userdp.config
 import userdp.errors
 import userdp.logutil
-from userdp.io import read_json
-from userdp.training import engine, models, pool
-from userdp.training.sampling import derive_seed
+from userdp.training import finetune_job
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -18,29 +19,14 @@ log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 def main() -> None:
     sm = snakemake  # noqa: F821
     config = userdp.config.validate_config(copy.deepcopy(dict(sm.config)))
-    torch.set_num_threads(int(sm.threads))
     w = sm.wildcards
-    plan = read_json(sm.input.plan)
-    G = int(plan["group_size"])
-    # The bounded subset depends on the dataset, G and the run seed only, so
-    # ELS and ULS runs with the same G see the same examples.
-    bound_seed = derive_seed(config["seed"], w.dataset, int(w.seed), G, "bounding")
-    train_pool = pool.build_pool(pool.read_train_tokens(sm.input.tokens), G, bound_seed)
-    tokenizer = models.load_tokenizer(Path(sm.input.tokenizer).parent)
-    pad_id = models.special_ids(tokenizer)["pad_token_id"]
-    model = models.load_model(sm.params.model)
-    vocab = model.get_input_embeddings().num_embeddings
-    if vocab < len(tokenizer):
-        raise userdp.errors.ConfigError(
-            f"model {sm.params.model} has {vocab} token embeddings but the tokenizer in results/tokenizer has "
-            f"{len(tokenizer)} tokens; set tokenizer.name to the model's own tokenizer (model.name {sm.params.model!r})."
-        )
-    settings = engine.TrainSettings.from_config(config, float(sm.params.lr))
-    seeds = engine.run_seeds(config["seed"], int(w.seed), w.dataset, w.method, w.eps, w.budget, G)
-    paths = engine.RunPaths(Path(sm.output.ledger).parent)
-    outcome = engine.train(model, train_pool, plan, settings, paths, seeds, pad_id)
-    if not outcome.complete:
-        raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{plan['steps']}")
+    job = finetune_job.FinetuneJob(
+        config=config, plan=str(sm.input.plan), tokens=str(sm.input.tokens), tokenizer=str(sm.input.tokenizer),
+        model=str(sm.params.model), run_dir=str(Path(sm.output.ledger).parent), learning_rate=float(sm.params.lr),
+        dataset=w.dataset, method=w.method, eps=w.eps, budget=w.budget, seed=int(w.seed),
+        threads=int(sm.threads), log=str(sm.log[0]),
+    )
+    finetune_job.launch(job, processes=int(getattr(sm.resources, "gpu", 0) or 0))
 
 
 userdp.errors.run_main(main, log)

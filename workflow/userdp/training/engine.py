@@ -19,6 +19,13 @@ run's `checkpoint/` folder; a restarted job resumes from it, so the total
 number of noisy steps a released model has seen is exactly T. When the run
 completes, the model, train_log.parquet and ledger.json are written and the
 checkpoint is deleted.
+
+Several processes (torchrun; `userdp.training.distributed`): when
+torch.distributed is initialised (or `dist` is passed), every rank draws the
+same sample, processes its share of the micro-batches, rank 0 adds the noise
+and the gradients are summed over ranks before the division; the mechanism,
+parameters and ledger are those of a one-process run with the same seeds.
+Rank 0 alone writes files.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 from ..errors import DataError
 from ..io import write_json, write_parquet
 from . import checkpoint as ckpt
+from . import distributed
 from .batching import check_uls_fits, pack_micro_batches, select_els, select_uls
 from .ledger import build_ledger
 from .models import autocast_context, resolve_device, save_model_atomic
@@ -155,6 +163,7 @@ def train(
     compute_epsilon: Callable[..., float] | None = None,
     max_steps: int | None = None,
     on_step: Callable[[int, dict], None] | None = None,
+    dist: distributed.DistContext | None = None,
 ) -> TrainOutcome:
     """Run (or resume) DP fine-tuning of `model` on `pool` with the mechanism in `plan`.
 
@@ -165,6 +174,8 @@ def train(
     first); the run then reports complete=False and writes no final outputs.
     on_step: called after every step with (step, log row); an exception in it
     interrupts the run like a crash would.
+    dist: this process's rank in a data-parallel group (default: taken from an
+    initialised torch.distributed process group; None = one process).
     """
     method = plan["method"]
     T = int(plan["steps"])
@@ -182,7 +193,10 @@ def train(
     elif method != "els":
         raise DataError(f"plan method is {method!r}; expected 'els' or 'uls'.")
 
-    device = resolve_device(settings.device)
+    if dist is None:
+        dist = distributed.current_context()
+    is_main = dist is None or dist.is_main
+    device = distributed.rank_device(settings.device, dist) if dist is not None else resolve_device(settings.device)
     model.to(device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -234,6 +248,8 @@ def train(
         torch.manual_seed(seeds["torch"])
 
     def save() -> None:
+        if not is_main:  # every rank holds the same state; rank 0 writes it
+            return
         ckpt.save_checkpoint(paths.checkpoint_dir, {
             "fingerprint": fp, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "noise": noise.state_dict(),
@@ -243,10 +259,12 @@ def train(
             "users_processed": users_processed, "log": rows, "resumed_at": resumed_at,
         })
 
+    world = dist.world_size if dist is not None else 1
     log.info(
-        "training %s: T=%d q=%.6g expected %s=%.2f sigma=%.4g C=%s G=%d pool=%d examples/%d users lr=%g device=%s",
+        "training %s: T=%d q=%.6g expected %s=%.2f sigma=%.4g C=%s G=%d pool=%d examples/%d users lr=%g device=%s"
+        " processes=%d",
         method, T, q, "examples" if method == "els" else "users", expected, sigma, clip_norm, G,
-        pool.n_examples, pool.n_users, settings.learning_rate, device,
+        pool.n_examples, pool.n_users, settings.learning_rate, device, world,
     )
     start = time.monotonic()
     last_log = start - settings.log_every_s
@@ -265,7 +283,9 @@ def train(
             else:
                 p.grad.zero_()
         loss_sum, n_rows, n_units_seen, clipped, norm_sum, norm_n = 0.0, 0, 0, 0.0, 0.0, 0
-        for mb in pack_micro_batches(pool, sel, settings.physical_batch_size, settings.sequence_length, pad_id):
+        micro_batches = pack_micro_batches(pool, sel, settings.physical_batch_size, settings.sequence_length, pad_id)
+        # With several processes every rank packed the same micro-batches; it processes its share.
+        for mb in distributed.my_share(micro_batches, dist):
             with autocast:
                 stats = grads.accumulate(
                     mb.input_ids.to(device), mb.attention_mask.to(device), mb.unit_ids.to(device),
@@ -278,7 +298,15 @@ def train(
             clipped += float(stats.get("clipped_fraction") or 0.0) * k
             s, n = _unit_norm_sum(stats.get("unit_norms"))
             norm_sum, norm_n = norm_sum + s, norm_n + n
-        noise.add_(params)
+        if is_main:
+            # Noise once per step: with several processes rank 0 adds it to its partial sum
+            # and the all-reduce below hands every rank the same noisy total.
+            noise.add_(params)
+        if dist is not None and dist.active:
+            distributed.all_reduce_grads(params, dist)
+            loss_sum, n_rows, n_units_seen, clipped, norm_sum, norm_n = distributed.all_reduce_sums(
+                [loss_sum, n_rows, n_units_seen, clipped, norm_sum, norm_n], dist, device)
+            n_rows, n_units_seen, norm_n = int(n_rows), int(n_units_seen), int(norm_n)
         for p in params:
             p.grad.div_(expected)
         lr = float(scheduler.get_last_lr()[0])
@@ -306,6 +334,7 @@ def train(
         if step % settings.checkpoint_every == 0 and step < T:
             save()
             saved_at = step
+            distributed.check_replicas(params, dist, device)
         now = time.monotonic()
         if now - last_log >= settings.log_every_s or step == T:
             last_log = now
@@ -318,8 +347,14 @@ def train(
     if step < T:
         if saved_at != step:
             save()
+        distributed.broadcast_object(None, dist, device)  # no rank returns before the checkpoint is written
         log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", step, T)
         return TrainOutcome(False, step, None, frame)
+    distributed.check_replicas(params, dist, device)
+    if not is_main:
+        # Rank 0 writes the outputs; the broadcast returns once they are complete.
+        ledger = distributed.broadcast_object(None, dist, device)
+        return TrainOutcome(True, step, ledger, frame)
 
     ledger = build_ledger(
         plan, steps_completed=step, expected_batch=expected, n_train_users=pool.n_users,
@@ -330,12 +365,14 @@ def train(
     ledger["n_examples_before_bounding"] = pool.n_examples_before_bounding
     ledger["device"] = str(device)
     ledger["precision"] = settings.precision if device.type == "cuda" else "fp32"
+    ledger["processes"] = world
     save_model_atomic(model, paths.model_dir)
     write_parquet(paths.train_log, frame)
     write_json(paths.ledger, ledger)
     # Outputs are complete; the checkpoint is no longer needed (it can be as
     # large as model + optimizer state).
     ckpt.remove_checkpoint(paths.checkpoint_dir)
+    distributed.broadcast_object(ledger, dist, device)
     log.info("run complete: %d steps, epsilon %.4g, realised compute %d examples (%.3f of budget)",
              step, ledger["epsilon"], examples_processed, ledger["compute_ratio"] or math.nan)
     return TrainOutcome(True, step, ledger, frame)

@@ -1,0 +1,139 @@
+"""One fine-tuning job (rule finetune): in this process, or in several under torchrun.
+
+`run_job(job)` loads the run's inputs (bounded pool, tokenizer, base model,
+plan) and calls `engine.train`. `launch(job, processes)` does that in this
+process when `processes` <= 1, and otherwise writes the job to a JSON file
+in the run folder and starts `processes` data-parallel workers with torchrun,
+each running `python -m userdp.training.finetune_job --job FILE` (see
+`userdp.training.distributed` for how they share a step). The Snakemake
+script only builds the job from its `snakemake` object and calls `launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, run_main
+from ..io import read_json
+from . import distributed, engine, models, pool
+from .sampling import derive_seed
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = "userdp.training.finetune_job"
+
+
+@dataclass
+class FinetuneJob:
+    """Everything one fine-tuning run needs, as plain (JSON-serialisable) values."""
+
+    config: dict[str, Any]   # the validated config
+    plan: str                # plan.json path
+    tokens: str              # tokens.parquet path
+    tokenizer: str           # tokenizer.json path (or its folder)
+    model: str               # base model name or folder
+    run_dir: str             # where ledger.json, train_log.parquet and model/ go
+    learning_rate: float
+    dataset: str
+    method: str
+    eps: str
+    budget: str
+    seed: int
+    threads: int = 1
+    log: str | None = None   # the rule's log file
+
+
+def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> engine.TrainOutcome:
+    """Load the inputs and train (one process, or this rank of a data-parallel group)."""
+    config = job.config
+    plan = read_json(job.plan)
+    G = int(plan["group_size"])
+    # The bounded subset depends on the dataset, G and the run seed only, so
+    # ELS and ULS runs with the same G see the same examples.
+    bound_seed = derive_seed(config["seed"], job.dataset, int(job.seed), G, "bounding")
+    train_pool = pool.build_pool(pool.read_train_tokens(job.tokens), G, bound_seed)
+    tokenizer = models.load_tokenizer(job.tokenizer)  # tokenizer.json or its folder
+    pad_id = models.special_ids(tokenizer)["pad_token_id"]
+    model = models.load_model(job.model)
+    vocab = model.get_input_embeddings().num_embeddings
+    if vocab < len(tokenizer):
+        raise ConfigError(
+            f"model {job.model} has {vocab} token embeddings but the tokenizer in results/tokenizer has "
+            f"{len(tokenizer)} tokens; set tokenizer.name to the model's own tokenizer (model.name {job.model!r})."
+        )
+    settings = engine.TrainSettings.from_config(config, float(job.learning_rate))
+    seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G)
+    outcome = engine.train(model, train_pool, plan, settings, engine.RunPaths(job.run_dir), seeds, pad_id, dist=dist)
+    if not outcome.complete:
+        raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{plan['steps']}")
+    return outcome
+
+
+def launch(job: FinetuneJob, processes: int) -> None:
+    """Run `job` here (processes <= 1) or in `processes` data-parallel torchrun workers.
+
+    Each worker gets max(1, threads // processes) CPU threads, so the job never
+    uses more cores than the rule's `threads` reserved.
+    """
+    processes = int(processes or 0)
+    if processes <= 1:
+        torch.set_num_threads(max(1, int(job.threads)))
+        run_job(job)
+        return
+    per_rank = max(1, int(job.threads) // processes)
+    run_dir = Path(job.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd, spec = tempfile.mkstemp(prefix=".finetune-job-", suffix=".json", dir=run_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(asdict(job) | {"threads": per_rank}, fh)
+        distributed.launch_torchrun(processes, WORKER_MODULE, ["--job", spec], threads_per_process=per_rank)
+    finally:
+        os.unlink(spec)
+
+
+def _worker_logging(log_path: str | None, rank: int) -> None:
+    """Rank 0 appends INFO to the rule's log (the launcher already opened it); other ranks errors only.
+
+    Every rank runs the same code on the same data, so rank 0's messages speak
+    for all of them; a failure is logged by whichever rank hits it.
+    """
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path:
+        handlers.append(logging.FileHandler(log_path, mode="a", encoding="utf-8"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.ERROR,
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Worker entry under torchrun: `python -m userdp.training.finetune_job --job FILE`."""
+    parser = argparse.ArgumentParser(prog=WORKER_MODULE, description="One data-parallel fine-tuning worker.")
+    parser.add_argument("--job", required=True, help="JSON file written by finetune_job.launch")
+    args = parser.parse_args(argv)
+    with open(args.job, encoding="utf-8") as fh:
+        job = FinetuneJob(**json.load(fh))
+    _worker_logging(job.log, int(os.environ.get("RANK", "0")))
+    torch.set_num_threads(max(1, int(job.threads)))
+    ctx = distributed.init_from_env(job.config["training"]["device"])
+    try:
+        run_main(lambda: run_job(job, ctx), logging.getLogger("userdp"))
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
