@@ -144,3 +144,25 @@ def test_snakemake_reports_bad_config_key(tmp_path):
     )
     assert proc.returncode != 0
     assert "optimiser" in proc.stdout + proc.stderr
+
+
+def test_target_of_an_unknown_dataset_is_a_clear_error(tmp_path):
+    """Asking for results/data/<name>/... of a dataset the config lacks names it and the fix."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "results/data/nope/contributions.json", "-n", "--cores", "1",
+         "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+         "--configfile", str(REPO / "config" / "config.yaml")],
+        capture_output=True, text=True, timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "dataset 'nope' is not defined" in out and "synth" in out
+    # a configured dataset still resolves to its real rules
+    ok = subprocess.run(
+        [sys.executable, "-m", "snakemake", "results/data/fortunes/contributions.json", "-n", "--cores", "1",
+         "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+         "--configfile", str(REPO / "config" / "config.yaml")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "prepare_data" in ok.stdout + ok.stderr

@@ -7,10 +7,17 @@
 # is decided from its source type in the config (userdp.data.prepare.
 # has_public_part), so public.parquet / public_tokens.parquet rules exist only
 # for such datasets and no checkpoint is needed.
-from userdp.data.targets import datasets_regex, public_datasets_regex, tokenizer_inputs
+from userdp.data.targets import (
+    datasets_regex,
+    public_datasets_regex,
+    tokenizer_inputs,
+    unknown_datasets_regex,
+    unknown_dataset_error,
+)
 
 DATASETS_RE = datasets_regex(config)
 PUBLIC_DATASETS_RE = public_datasets_regex(config)
+UNKNOWN_DATASETS_RE = unknown_datasets_regex(config)
 DATA_RUNTIME = 240  # minutes; the full Stack Overflow corpus takes hours, the default seconds
 # tokenizer.batch_rows is read by the scripts from the config, not passed as a
 # param: it bounds memory but changes no output, so it must not trigger reruns.
@@ -165,3 +172,24 @@ use rule tokenize as tokenize_public with:
         dataset=PUBLIC_DATASETS_RE,
     log:
         "results/logs/data/tokenize_public_{dataset}.log",
+
+
+# A target under results/data/ that names a dataset the config does not
+# define gets a clear error at DAG-building time instead of "no rule".
+rule unknown_dataset:
+    input:
+        lambda wildcards: unknown_dataset_error(config, wildcards.dataset),
+    output:
+        "results/data/{dataset}/{artifact}",
+    wildcard_constraints:
+        dataset=UNKNOWN_DATASETS_RE,
+    log:
+        "results/logs/data/unknown_{dataset}_{artifact}.log",
+    threads: 1
+    resources:
+        mem_mb=100,
+        runtime=1,
+    conda:
+        "../envs/userdp.yaml"
+    shell:
+        "exit 1"

@@ -46,3 +46,22 @@ def tokenizer_inputs(config: dict) -> dict[str, str]:
             "part; add a synthetic or fortunes dataset (or set tokenizer.public_dataset), or set tokenizer.name."
         )
     return {"public": f"results/data/{name}/public.parquet"}
+
+
+def unknown_datasets_regex(config: dict) -> str:
+    """A wildcard regex matching any dataset name that is NOT in the config.
+
+    The lookahead checks the text up to the next path separator, so
+    `results/data/nope/...` matches and `results/data/synth/...` does not.
+    """
+    known = "|".join(re.escape(n) for n in config["datasets"])
+    return rf"(?!(?:{known})/)[A-Za-z0-9_-]+" if known else r"[A-Za-z0-9_-]+"
+
+
+def unknown_dataset_error(config: dict, dataset: str) -> None:
+    """Raise the error for a target that names a dataset the config does not define."""
+    raise ConfigError(
+        f"dataset {dataset!r} is not defined under 'datasets' in the config "
+        f"(defined: {sorted(config['datasets'])}); add it with --configfile (see config/README.md) "
+        "or fix the target path."
+    )
