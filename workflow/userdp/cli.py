@@ -10,13 +10,12 @@ Invalid arguments exit with status 2 and a message naming the argument.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Sequence
 
 from .errors import UserError
-from .io import _clean_floats
+from .io import json_text
 
 
 def _positive_float(name: str, allow_inf: bool = False):
@@ -106,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _emit(record: dict, as_json: bool, text: str) -> None:
     if as_json:
-        print(json.dumps(_clean_floats(record), indent=2))
+        print(json_text(record))
     else:
         print(text)
 

@@ -57,20 +57,25 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def _clean_floats(obj: Any) -> Any:
+def clean_floats(obj: Any) -> Any:
     """Replace non-finite floats by strings so the JSON stays standard."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
     if isinstance(obj, dict):
-        return {k: _clean_floats(v) for k, v in obj.items()}
+        return {k: clean_floats(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean_floats(v) for v in obj]
+        return [clean_floats(v) for v in obj]
     return obj
+
+
+def json_text(obj: Any) -> str:
+    """Indented standard JSON of `obj` (numpy values converted, infinities as "inf")."""
+    return json.dumps(clean_floats(json.loads(json.dumps(obj, default=_json_default))), indent=2)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write `obj` as indented JSON, atomically. Infinite floats become "inf"."""
-    text = json.dumps(_clean_floats(json.loads(json.dumps(obj, default=_json_default))), indent=2, sort_keys=False)
+    text = json_text(obj)
     with atomic_path(path) as tmp:
         tmp.write_text(text + "\n", encoding="utf-8")
 
