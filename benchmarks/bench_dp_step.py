@@ -1,7 +1,8 @@
 """Benchmark: DP-SGD step cost (ELS, ULS) against the non-private step, same examples.
 
 One invocation measures, for each model config (a tiny GPT-2 and a ~34M
-parameter GPT-2 by default):
+parameter GPT-2 by default; `gpt2-medium` is the paper's ~355M shape, for
+a GPU: benchmarks/gpu_check.sh runs it there):
 
 - time: median over several steps after warm-up, with the three modes
   interleaved step by step in one process so machine noise hits all alike;
@@ -20,7 +21,8 @@ Prints the ratios ELS/non-private and ULS/non-private for both the whole step
 and the gradient part alone (accumulate). Example:
 
     .venv/bin/python benchmarks/bench_dp_step.py            # CPU, both configs
-    .venv/bin/python benchmarks/bench_dp_step.py --device cuda --bf16
+    .venv/bin/python benchmarks/bench_dp_step.py --device cuda --bf16 --configs gpt2-34m,gpt2-medium \
+        --json-out benchmarks/out/bench_dp_step.json
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ CONFIGS = {
     # the shape of the pipeline's default config (config/config.yaml)
     "default": (2, 128, 4, 2048, 48, 64),
     "gpt2-34m": (8, 512, 8, 16384, 128, 16),
+    # the paper's model shape (config/paper.yaml: gpt2-medium, sequence 128, physical batch 64)
+    "gpt2-medium": (24, 1024, 16, 50257, 128, 64),
 }
 MODES = ("nonprivate", "els", "uls")
 
@@ -54,7 +58,9 @@ def build(config: str, device: str, seed: int = 0):
     torch.manual_seed(seed)
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=seq,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg).to(device)
+    # initialise on the device itself: a 355M-parameter init is seconds on a CPU, nothing on a GPU
+    with torch.device(device):
+        model = GPT2LMHeadModel(cfg)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     return model, opt
@@ -198,6 +204,31 @@ def measure_time(config: str, args) -> dict[str, dict[str, float]]:
     return {m: {"acc_s": med(acc[m]), "step_s": med(full[m]), "cpu_s": med(cpu[m])} for m in MODES}
 
 
+def ratios(times: dict, mem: dict) -> dict[str, dict[str, float]]:
+    """DP mode / non-private: whole step, gradient part, and peak memory (when measured)."""
+    base = times["nonprivate"]
+    out = {}
+    for m in MODES[1:]:
+        out[m] = {"step": times[m]["step_s"] / base["step_s"], "grad_part": times[m]["acc_s"] / base["acc_s"]}
+        if mem:
+            out[m]["peak_mem"] = mem[m]["peak_mb"] / mem["nonprivate"]["peak_mb"]
+    return out
+
+
+def write_results(args, results: dict) -> None:
+    """The results so far, with the run's settings and shapes, as JSON (atomically)."""
+    from userdp.io import write_json
+
+    write_json(args.json_out, {
+        "device": args.device, "bf16": args.bf16, "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+        "steps": args.steps, "warmup": args.warmup, "uls_per_user": args.per_user,
+        "shapes": {c: dict(zip(("n_layer", "n_embd", "n_head", "vocab", "seq", "batch"), CONFIGS[c]))
+                   for c in results},
+        "results": results,
+    })
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="tiny,default,gpt2-34m", help=f"comma list from {sorted(CONFIGS)}")
@@ -214,6 +245,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="override the configs' batch size")
     ap.add_argument("--seq", type=int, default=None, help="override the configs' sequence length")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--json-out", default=None, help="also write the results (with ratios) to this JSON file")
     ap.add_argument("--child-mode", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-config", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -249,7 +281,7 @@ def main() -> None:
                 env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
                 mem[m] = json.loads(out.strip().splitlines()[-1])
-        results[config] = {"time": times, "memory": mem}
+        results[config] = {"time": times, "memory": mem, "ratios": ratios(times, mem)}
         n_params = mem["nonprivate"]["n_params"] if mem else float("nan")
         print(f"\n== {config}: n_layer={n_layer} n_embd={n_embd} vocab={vocab} seq={seq} batch={batch} "
               f"params={n_params / 1e6:.1f}M")
@@ -263,7 +295,10 @@ def main() -> None:
                 ratio = mem[m]["peak_mb"] / mem["nonprivate"]["peak_mb"]
                 line += f"  peak mem {mem[m]['peak_mb']:8.1f} MB ({ratio:.2f}x)"
             print(line)
+        if args.json_out:  # after every config, so a run stopped by a timeout keeps the finished ones
+            write_results(args, results)
     print("\nJSON " + json.dumps(results))
+
 
 
 if __name__ == "__main__":
