@@ -158,3 +158,21 @@ def test_registered_and_opened_through_open_source(tmp_path):
     db = build_tff_sqlite(tmp_path / "so.sqlite")
     src = open_source("so", {"source": "stackoverflow", "path": str(db)}, tmp_path / "data")
     assert isinstance(src, StackOverflowSource) and src.data_dir == tmp_path / "data" / "so"
+
+
+def test_expected_rows_from_client_metadata_gives_prepare_an_eta(tmp_path, caplog):
+    import logging
+
+    from userdp.data.prepare import prepare_dataset
+
+    db = build_tff_sqlite(tmp_path / "so.sqlite")
+    n_default = len(_expected({"train", "heldout"}))
+    assert _source(tmp_path, path=str(db)).expected_rows() == n_default
+    assert _source(tmp_path, path=str(db), splits=["test"]).expected_rows() == len(_expected({"test"}))
+    assert _source(tmp_path, path=str(db), max_examples=3).expected_rows() == 3
+    assert _source(tmp_path, url="http://127.0.0.1:9/none.sqlite.lzma").expected_rows() is None  # not downloaded
+    with caplog.at_level(logging.INFO, logger="userdp.data.prepare"):
+        prepare_dataset(_source(tmp_path, path=str(db)), "so", {"source": "stackoverflow"}, tmp_path / "out", seed=0)
+    # The stage's progress knows the total (from client_metadata), hence a percentage and an ETA.
+    assert any(f"so: rows read: {n_default}/{n_default} (100.0%)" in r.getMessage() and "ETA" in r.getMessage()
+               for r in caplog.records)

@@ -10,7 +10,7 @@ from scipy import stats
 
 from train_fixtures import tokens_table
 from userdp.errors import DataError
-from userdp.training.pool import build_pool, read_train_tokens
+from userdp.training.pool import _canonical_order, _choose, build_pool, load_train_pool, read_train_tokens
 
 
 @pytest.fixture()
@@ -98,3 +98,62 @@ def test_missing_columns_named(tmp_path):
     pq.write_table(pa.table({"user_id": ["a"], "split": ["train"]}), path)
     with pytest.raises(DataError, match="example_id"):
         read_train_tokens(path)
+
+
+def _same_pool(a, b):
+    for f in ("user_offsets", "example_ids", "example_user", "token_values", "token_offsets"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and np.array_equal(x, y), f
+    assert a.user_ids == b.user_ids
+    assert (a.group_size, a.n_examples_before_bounding) == (b.group_size, b.n_examples_before_bounding)
+
+
+def test_streamed_pool_is_identical_to_in_memory_pool(tmp_path):
+    # File order differs from the canonical (user, example id) order, with
+    # many row groups and batches, so both passes cross batch boundaries.
+    table = tokens_table(120, seed=5, median=7)
+    table = table.take(pa.array(np.random.default_rng(0).permutation(table.num_rows)))
+    path = tmp_path / "tokens.parquet"
+    pq.write_table(table, path, row_group_size=41)
+    train = read_train_tokens(path)
+    for G, seed in ((1, 0), (3, 7), (1000, 11)):
+        expected = build_pool(train, G, seed)
+        _same_pool(load_train_pool(path, G, seed, batch_rows=17), expected)
+        _same_pool(load_train_pool(path, G, seed), expected)
+    assert load_train_pool(path, 3, 7).user_sizes.max() == 3
+
+
+def test_blockwise_keys_give_the_same_choice():
+    rng = np.random.default_rng(1)
+    user_idx = np.repeat(np.arange(50), rng.integers(1, 20, 50))
+    ex_ids = rng.permutation(len(user_idx)).astype(np.int64)
+    perm = rng.permutation(len(user_idx))
+    canonical = _canonical_order(user_idx[perm], ex_ids[perm])
+    whole = _choose(*canonical, 50, 4, seed=9, block_rows=1 << 30)
+    for block in (1, 5, 64):
+        part = _choose(*canonical, 50, 4, seed=9, block_rows=block)
+        for x, y in zip(whole, part):
+            assert np.array_equal(x, y)
+
+
+def test_streamed_pool_checks_like_read_train_tokens(tmp_path):
+    base = {"input_ids": pa.array([[1, 2, 3]] * 3, pa.list_(pa.int32()))}
+    overlap = tmp_path / "overlap.parquet"
+    pq.write_table(pa.table({"user_id": ["a", "a", "b"], "example_id": [0, 1, 2],
+                             "split": ["train", "test", "train"], **base}), overlap)
+    with pytest.raises(DataError, match="user-disjoint"):
+        load_train_pool(overlap, 2, 0)
+    dup = tmp_path / "dup.parquet"
+    pq.write_table(pa.table({"user_id": ["a", "a", "b"], "example_id": [0, 0, 2],
+                             "split": ["train"] * 3, **base}), dup)
+    with pytest.raises(DataError, match="duplicate"):
+        load_train_pool(dup, 2, 0)
+    no_train = tmp_path / "no_train.parquet"
+    pq.write_table(pa.table({"user_id": ["a", "b", "c"], "example_id": [0, 1, 2],
+                             "split": ["test"] * 3, **base}), no_train)
+    with pytest.raises(DataError, match="no rows with split == 'train'"):
+        load_train_pool(no_train, 2, 0)
+    missing = tmp_path / "missing.parquet"
+    pq.write_table(pa.table({"user_id": ["a"], "split": ["train"]}), missing)
+    with pytest.raises(DataError, match="example_id"):
+        load_train_pool(missing, 2, 0)

@@ -93,6 +93,18 @@ def write_parquet(path: str | os.PathLike, table: pa.Table | Any) -> None:
         pq.write_table(table, tmp)
 
 
+def streaming_parquet(path: str | os.PathLike) -> pq.ParquetFile:
+    """A ParquetFile to read in batches (`iter_batches`) with memory bounded by one batch.
+
+    pyarrow's default `pre_buffer=True` fetches the requested columns of every
+    row group ahead of the batches (meant for high-latency object stores):
+    the peak then grows with the file (measured: 169 MB for 2M rows, 394 MB
+    for 8M rows of one list column) instead of staying at one row group's
+    worth (98 MB for both). Local files gain nothing from it.
+    """
+    return pq.ParquetFile(path, pre_buffer=False)
+
+
 class ParquetBatchWriter:
     """Stream record batches into one Parquet file, renamed into place on close.
 

@@ -37,9 +37,9 @@ from typing import Callable, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
+from ..io import streaming_parquet
 from .base import RAW_SCHEMA, register
 from .spec_keys import check_keys, max_examples
 
@@ -181,7 +181,7 @@ class LocalSource:
 
     def _iter_parquet(self, batch_rows: int) -> Iterator[pa.RecordBatch]:
         try:
-            pf = pq.ParquetFile(self.path)
+            pf = streaming_parquet(self.path)
         except (pa.ArrowInvalid, OSError) as exc:
             raise self._err(f"not a valid Parquet file ({exc}); check the file or set datasets.{self.name}.format.") from exc
         names = pf.schema_arrow.names

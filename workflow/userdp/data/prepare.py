@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
-from ..io import ParquetBatchWriter, write_json, write_parquet
+from ..io import ParquetBatchWriter, streaming_parquet, write_json, write_parquet
 from ..logutil import Progress
 from .base import PUBLIC_SCHEMA
 
@@ -203,19 +203,27 @@ def _capped(batches: Iterable[pa.RecordBatch], limit: int | None) -> Iterator[pa
 
 
 class _CountTable:
-    """Per-user counts, merged with hash aggregation whenever the buffer grows."""
+    """Per-user counts, merged with hash aggregation whenever the buffer grows.
 
-    def __init__(self, flush_rows: int = 2_000_000):
+    Merged when the parts hold `flush_rows` rows OR number `flush_parts`: a
+    part costs ~8 KB whatever its size, and a source that stores users'
+    rows together (Stack Overflow) gives parts of a few rows each, so
+    without the part bound the buffer would grow with the number of batches,
+    i.e. with the rows read (~120 MB for the full release at 10k-row batches).
+    """
+
+    def __init__(self, flush_rows: int = 2_000_000, flush_parts: int = 256):
         self.parts: list[pa.Table] = []
         self.rows = 0
         self.flush_rows = flush_rows
+        self.flush_parts = flush_parts
 
     def add(self, user_id: pa.Array, split: np.ndarray) -> None:
         t = pa.table({"user_id": user_id, "split": pa.array(split, pa.int8())})
         g = t.group_by("user_id").aggregate([("split", "min"), ("split", "max"), ("split", "count")])
         self.parts.append(g.rename_columns(["user_id", "split_min", "split_max", "n"]))
         self.rows += g.num_rows
-        if self.rows > self.flush_rows and len(self.parts) > 1:
+        if (self.rows > self.flush_rows or len(self.parts) > self.flush_parts) and len(self.parts) > 1:
             self.parts = [self.result()]
             self.rows = self.parts[0].num_rows
 
@@ -288,7 +296,7 @@ def prepare_dataset(
         with ParquetBatchWriter(pass1, EXAMPLES_SCHEMA) as writer:
             buf: list[pa.Table] = []
             buffered = 0
-            progress = Progress(log, limit, f"{name}: rows read")
+            progress = Progress(log, _expected_rows(source, limit), f"{name}: rows read")
             for batch in _capped(source.iter_batches(batch_rows), limit):
                 n_raw += batch.num_rows
                 progress.update(batch.num_rows)
@@ -384,11 +392,22 @@ def prepare_dataset(
             pass1.unlink()
 
 
+def _expected_rows(source, limit: int | None) -> int | None:
+    """Rows the stage will read, for the progress ETA: the source's own count where
+    it offers one cheaply (`expected_rows()`, e.g. Stack Overflow's client_metadata),
+    capped by max_examples; None (rate only, no ETA) when unknown."""
+    hint = getattr(source, "expected_rows", None)
+    total = hint() if callable(hint) else None
+    if limit is not None:
+        total = min(total, int(limit)) if total is not None else int(limit)
+    return total
+
+
 def _filter_examples(src: Path, dst: Path, keep_users: pa.ChunkedArray, batch_rows: int) -> None:
     """Keep rows of `keep_users` from `src`, renumbering example_id contiguously."""
     keep_set = keep_users.combine_chunks()
     next_id = 0
-    pf = pq.ParquetFile(src)
+    pf = streaming_parquet(src)
     with ParquetBatchWriter(dst, EXAMPLES_SCHEMA) as writer:
         for batch in pf.iter_batches(batch_size=max(batch_rows, 65536)):
             t = pa.Table.from_batches([batch]).filter(pc.is_in(batch.column("user_id"), value_set=keep_set))

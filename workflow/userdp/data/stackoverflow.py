@@ -175,6 +175,33 @@ class StackOverflowSource:
             schema=RAW_SCHEMA,
         )
 
+    def _expected_rows(self, con: sqlite3.Connection) -> int | None:
+        marks = ",".join("?" * len(self.splits))
+        total = con.execute(
+            f"SELECT SUM(num_examples) FROM client_metadata WHERE split_name IN ({marks})", self.splits
+        ).fetchone()[0]
+        if self.max_examples is not None:
+            total = min(total or 0, self.max_examples)
+        return int(total) if total else None
+
+    def expected_rows(self) -> int | None:
+        """Rows `iter_batches` will yield, from `client_metadata` (None if unknown).
+
+        Lets the prepare stage log an ETA; costs one small query, no scan.
+        Returns None when the file is not there yet or cannot be read.
+        """
+        path = self.sqlite_path()
+        if not path.is_file():
+            return None
+        try:
+            con = _connect_ro(path)
+            try:
+                return self._expected_rows(con)
+            finally:
+                con.close()
+        except sqlite3.DatabaseError:
+            return None
+
     def iter_batches(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
         path = self.sqlite_path()
         if not path.exists():
@@ -183,12 +210,8 @@ class StackOverflowSource:
         con = _connect_ro(path)
         marks = ",".join("?" * len(self.splits))
         try:
-            total = con.execute(
-                f"SELECT SUM(num_examples) FROM client_metadata WHERE split_name IN ({marks})", self.splits
-            ).fetchone()[0]
-            if self.max_examples is not None:
-                total = min(total or 0, self.max_examples)
-            progress = Progress(log, int(total) if total else None, f"{self.name}: rows")
+            total = self._expected_rows(con)
+            progress = Progress(log, total, f"{self.name}: rows")
             # NOT INDEXED: walk the table in rowid order even when the planner would
             # prefer the (split_name, client_id) index and then sort every page.
             sql = (

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
-from ..io import ParquetBatchWriter, write_json
+from ..io import ParquetBatchWriter, streaming_parquet, write_json
 from ..logutil import Progress
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -79,7 +79,7 @@ def public_dataset_name(config: dict) -> str | None:
 
 
 def _iter_texts(path: Path, batch_rows: int) -> Iterator[list[str]]:
-    pf = pq.ParquetFile(path)
+    pf = streaming_parquet(path)
     for batch in pf.iter_batches(batch_size=batch_rows, columns=["text"]):
         yield batch.column("text").to_pylist()
 
@@ -247,7 +247,7 @@ def tokenize_examples(
     schema = _schema_with_meta(TOKENS_SCHEMA, tok, seq_len, mode)
     n_in = n_out = n_trunc = n_tok = 0
     next_id = 0
-    pf = pq.ParquetFile(examples_path)
+    pf = streaming_parquet(examples_path)
     progress = Progress(log, pf.metadata.num_rows, f"tokenize {Path(examples_path).parent.name}")
     with ParquetBatchWriter(out_path, schema) as writer:
         for batch in pf.iter_batches(batch_size=batch_rows):

@@ -61,7 +61,7 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
     # The bounded subset depends on the dataset, G and the run seed only, so
     # ELS and ULS runs with the same G see the same examples.
     bound_seed = derive_seed(config["seed"], job.dataset, int(job.seed), G, "bounding")
-    train_pool = pool.build_pool(pool.read_train_tokens(job.tokens), G, bound_seed)
+    train_pool = pool.load_train_pool(job.tokens, G, bound_seed)  # streamed: tokens of kept rows only
     tokenizer = models.load_tokenizer(job.tokenizer)  # tokenizer.json or its folder
     pad_id = models.special_ids(tokenizer)["pad_token_id"]
     model = models.load_model(job.model)
