@@ -7,6 +7,8 @@ import pytest
 
 from userdp.evaluation.select import choose_learning_rate, pretrained_metrics, select, select_cell
 from userdp.io import read_json, write_json
+from userdp.privacy.accounting import compute_epsilon
+from userdp.errors import DataError
 
 
 def ev(val, test):
@@ -36,7 +38,7 @@ def test_select_cell_writes_metrics_and_copies_the_chosen_run(tmp_path):
     for lr, val in zip(lrs, (3.0, 2.0)):
         d = tmp_path / f"lr~{lr}"
         write_json(d / "eval.json", ev(val, val - 0.5))
-        write_json(d / "ledger.json", {"which": lr})
+        write_json(d / "ledger.json", {"which": lr, **MECH})
         pd.DataFrame({"step": [1, 2], "loss": [lr, lr]}).to_parquet(d / "train_log.parquet")
         evals.append(str(d / "eval.json"))
         ledgers.append(str(d / "ledger.json"))
@@ -47,7 +49,13 @@ def test_select_cell_writes_metrics_and_copies_the_chosen_run(tmp_path):
     assert m["learning_rate"] == 0.01 and m["test_loss"] == 1.5
     for k in ("test_loss", "test_loss_user_macro", "test_perplexity", "test_accuracy", "validation_loss"):
         assert k in m
-    assert read_json(tmp_path / "ledger.json") == {"which": 0.01}
+    led = read_json(tmp_path / "ledger.json")
+    assert led["which"] == 0.01 and led["learning_rates_tried"] == 2
+    # two independent runs composed: 2T steps of the mechanism
+    assert led["epsilon_including_lr_selection"] == pytest.approx(
+        compute_epsilon("uls", MECH["noise_multiplier"], MECH["sampling_rate"], 2 * MECH["steps_completed"],
+                        MECH["delta"]), rel=1e-9)
+    assert led["epsilon_including_lr_selection"] > 1.2 * led["epsilon"]
     assert pd.read_parquet(tmp_path / "train_log.parquet")["loss"].tolist() == [0.01, 0.01]
 
 
@@ -56,3 +64,19 @@ def test_pretrained_metrics_have_the_same_fields_with_null_learning_rate():
     pre = pretrained_metrics(ev(4.0, 4.1))
     assert set(cell) == set(pre)
     assert pre["learning_rate"] is None and pre["test_loss"] == 4.1
+
+
+MECH = {"method": "uls", "sampling_rate": 0.05, "noise_multiplier": 1.1, "clip_norm": 1.0, "group_size": 4,
+        "delta": 1e-5, "steps_completed": 100}
+MECH["epsilon"] = compute_epsilon("uls", 1.1, 0.05, 100, 1e-5)
+
+
+def test_selection_epsilon_one_rate_nonprivate_and_mismatch(tmp_path):
+    from userdp.evaluation.select import with_selection_epsilon
+
+    one = with_selection_epsilon(MECH, [MECH], ["a"])
+    assert one["learning_rates_tried"] == 1 and one["epsilon_including_lr_selection"] == MECH["epsilon"]
+    nonpriv = dict(MECH, noise_multiplier=0.0, epsilon=math.inf)
+    assert with_selection_epsilon(nonpriv, [nonpriv, nonpriv], ["a", "b"])["epsilon_including_lr_selection"] == math.inf
+    with pytest.raises(DataError, match=r"b: the learning-rate runs of this cell ran different mechanisms \(noise_multiplier"):
+        with_selection_epsilon(MECH, [MECH, dict(MECH, noise_multiplier=2.0)], ["a", "b"])

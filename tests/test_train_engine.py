@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from train_fixtures import SEQ, ConstantGradients, LoopGradients, plan_for, tiny_model, tokens_table
+from train_fixtures import SEQ, VOCAB, ConstantGradients, LoopGradients, plan_for, tiny_model, tokens_table
 from userdp.errors import ConfigError, DataError
 from userdp.io import read_json
 from userdp.training import engine
@@ -179,6 +180,65 @@ def test_checkpoint_of_another_mechanism_is_ignored(tmp_path, pool):
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon,
                        on_step=lambda st, r: steps_run.append(st))
     assert steps_run == [1, 2, 3, 4] and out.ledger["resumed_at_steps"] == []
+
+
+def test_checkpoint_of_another_base_model_or_pool_is_ignored(tmp_path, pool):
+    """A rebuilt pretrained model or rebuilt training data must not resume an old run's checkpoint."""
+    plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
+    engine.train(tiny_model(seed=1), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+                 gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
+    out = engine.train(tiny_model(seed=2), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+                       gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
+    assert out.steps_completed == 2  # started afresh with model 2, stopped again at step 2
+    # same sizes, other tokens (a rebuilt tokens.parquet): not resumed either
+    other_pool = dataclasses.replace(pool, token_values=(pool.token_values + 1) % VOCAB)
+    steps_run = []
+    out = engine.train(tiny_model(seed=2), other_pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+                       gradient_source=ConstantGradients, compute_epsilon=fake_epsilon,
+                       on_step=lambda st, r: steps_run.append(st))
+    assert steps_run == [1, 2, 3, 4] and out.ledger["resumed_at_steps"] == []
+    # and the same model and pool do resume
+    engine.train(tiny_model(seed=2), pool, plan, settings(), engine.RunPaths(tmp_path / "r"), seeds(), 0,
+                 gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
+    out = engine.train(tiny_model(seed=2), pool, plan, settings(), engine.RunPaths(tmp_path / "r"), seeds(), 0,
+                       gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
+    assert out.ledger["resumed_at_steps"] == [2]
+
+
+def test_learning_rates_of_a_sweep_draw_independent_batches_and_noise():
+    """Shared noise across the rates of a sweep would cancel between released models (audit finding)."""
+    a = engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.001)
+    b = engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.003)
+    assert a["noise"] != b["noise"] and a["sampler"] != b["sampler"]
+    assert a == engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.001)  # still reproducible
+
+
+def test_secret_seeds_are_fresh_hidden_and_survive_resume(tmp_path, pool, monkeypatch):
+    """privacy.secret_seeds: sampler and noise seeds from OS entropy, masked in the ledger, kept across a resume."""
+    plan = plan_for(pool, "uls", expected=2.5, steps=4, sigma=0.7, clip=0.5)
+    secret = engine.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01, secret=True)
+
+    def run(path, **kw):
+        model = tiny_model(seed=1)
+        out = engine.train(model, pool, plan, settings(), engine.RunPaths(path), secret, 0,
+                           gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, **kw)
+        return params_vector(model), out
+
+    # two runs from the same config differ: the noise is not reproducible from the config
+    p1, out1 = run(tmp_path / "a")
+    p2, _ = run(tmp_path / "b")
+    assert not torch.equal(p1, p2)
+    assert out1.ledger["seeds"]["sampler"] == "secret" and out1.ledger["seeds"]["noise"] == "secret"
+    assert str(secret["noise"]) not in (tmp_path / "a" / "ledger.json").read_text()
+
+    # an interrupted run resumes the SAME secret streams from its checkpoint, not fresh ones
+    draws = iter([11, 12, 11, 12, 99, 98])  # ref run, first half, resumed half (fresh entropy is ignored)
+    monkeypatch.setattr(engine.secrets, "randbits", lambda k: next(draws))
+    ref, _ = run(tmp_path / "ref")
+    run(tmp_path / "c", max_steps=2)
+    resumed, out = run(tmp_path / "c")
+    assert out.ledger["resumed_at_steps"] == [2]
+    assert torch.equal(resumed, ref)
 
 
 @pytest.mark.parametrize("method,G", [("els", 2), ("uls", 3)])

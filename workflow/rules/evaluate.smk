@@ -2,9 +2,9 @@
 # learning rate) and of the pretrained model, learning-rate selection on
 # validation users, and the per-dataset summary table.
 #
-# Validation and test users are disjoint from the training users; choosing
-# the learning rate on validation users costs no privacy budget of the
-# training data (their data is treated like test data).
+# Validation and test users are disjoint from the training users (their data
+# is treated like test data). Choosing among k learning rates composes the k
+# runs: select_lr adds `epsilon_including_lr_selection` to the cell's ledger.
 #
 # `evaluation_targets()` lists every file of this stage and of figures.smk
 # (for rule all); `snakemake evaluation` builds them.

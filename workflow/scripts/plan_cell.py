@@ -4,7 +4,8 @@ import userdp.errors
 import userdp.io
 import userdp.logutil
 from userdp.config import parse_num
-from userdp.privacy.planner import plan_cell, read_train_counts
+from userdp.privacy.contribution_stats import NoisyHistogram
+from userdp.privacy.planner import plan_cell, read_counts
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -12,8 +13,12 @@ log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 def main() -> None:
     sm = snakemake  # noqa: F821
     w = sm.wildcards
-    counts = read_train_counts(sm.input.users)
+    inputs = {k: str(v) for k, v in sm.input.items()}
+    counts, source = read_counts(users=inputs.get("users"), tokens=inputs.get("tokens"))
     contributions = userdp.io.read_json(sm.input.contributions)
+    stats = None
+    if "contributions_dp" in inputs:
+        stats = NoisyHistogram.from_release(userdp.io.read_json(inputs["contributions_dp"]), inputs["contributions_dp"])
     plan = plan_cell(
         dataset=w.dataset,
         method=w.method,
@@ -24,8 +29,13 @@ def main() -> None:
         privacy=sm.params.privacy,
         group_size=sm.params.group_size,
         reference_epsilon=sm.params.reference_epsilon,
+        stats=stats,
     )
-    plan["median_train"] = contributions.get("median_train")
+    # The exact median is a statistic of private data: left out when the G
+    # rules use the DP statistics instead.
+    plan["median_train"] = contributions.get("median_train") if stats is None else None
+    if "tokens" in inputs:
+        plan["contribution_counts"] = source
     userdp.io.write_json(sm.output[0], plan)
     log.info(
         "%s: G=%d (%s), q=%.5g, expected batch %.4g %s, sigma=%.5g, eps achieved %s",

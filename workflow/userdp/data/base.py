@@ -12,6 +12,13 @@ Streams are bounded in memory: sources yield batches of at most `batch_rows`
 rows and never hold a whole corpus as Python objects. Sources with a public
 (pretraining) part also yield its texts from `iter_public`.
 
+A dataset of ANY source may name its own public corpus with a `public` key
+(`datasets.<name>.public`: a local file/folder or a streamed hub dataset, see
+`userdp.data.public`). `open_source` then wraps the source so that
+`has_public`/`iter_public` read that corpus; for `synthetic` and `fortunes`
+it replaces their built-in public part. Build sources with `open_source`
+(not the loader factories) so that this routing applies.
+
 Errors in the input raise `userdp.errors.DataError` naming the file (and row
 or column) and the fix.
 """
@@ -64,7 +71,11 @@ def register(source: str):
 
 
 def open_source(name: str, spec: dict, data_dir: str | Path = "data", seed: int = 0) -> Source:
-    """Build the Source for dataset `name` from its config spec."""
+    """Build the Source for dataset `name` from its config spec.
+
+    With a non-null `public` key the source's public part is that corpus
+    (`userdp.data.public.with_public`), whatever the source.
+    """
     from . import sources  # noqa: F401  (imports every loader module, filling REGISTRY)
     from ..errors import ConfigError
 
@@ -73,4 +84,7 @@ def open_source(name: str, spec: dict, data_dir: str | Path = "data", seed: int 
         raise ConfigError(
             f"datasets.{name}.source is {kind!r}; allowed values: {sorted(REGISTRY)}."
         )
-    return REGISTRY[kind](name, spec, Path(data_dir) / name, seed)
+    from .public import with_public
+
+    source = REGISTRY[kind](name, spec, Path(data_dir) / name, seed)
+    return with_public(source, name, spec, Path(data_dir) / name)

@@ -169,6 +169,8 @@ class CCNewsSource:
             log.warning("%s: dropped %d articles with no domain (no user)", self.name, self.dropped_no_domain)
 
     def has_public(self) -> bool:
+        # No built-in public part; a `public` key gives one (open_source wraps
+        # this source with userdp.data.public.WithPublicCorpus).
         return False
 
     def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:

@@ -77,10 +77,17 @@ log = logging.getLogger("userdp.data.prepare")
 
 
 def has_public_part(spec: dict) -> bool:
-    """Whether dataset `spec` yields public text (decided from the config alone)."""
+    """Whether dataset `spec` yields public text (decided from the config alone).
+
+    A non-null `public` key (a user-named corpus, userdp.data.public) gives
+    every source a public part, and replaces the built-in one of synthetic
+    and fortunes; without it only those two sources have one.
+    """
+    if spec.get("public") is not None:
+        return True
     if spec.get("source") == "synthetic":
         return int((spec.get("synthetic") or {}).get("public_examples", 1)) > 0
-    return spec.get("source") in PUBLIC_SOURCES or bool(spec.get("public"))
+    return spec.get("source") in PUBLIC_SOURCES
 
 
 def split_settings(name: str, spec: dict) -> tuple[float, float, bool]:
@@ -459,11 +466,16 @@ def contribution_stats(users: pa.Table, dropped: dict, dropped_users: dict, n_ra
 
 
 def write_public(source, name: str, path: str | Path, batch_rows: int = 100_000) -> dict:
-    """Clean the source's public texts and write them to `path` (column `text`)."""
+    """Clean the source's public texts and write them to `path` (column `text`).
+
+    Empty texts (after cleaning) are dropped and counted, as for private
+    data; a public part with no non-empty text is a DataError (naming
+    `datasets.<name>.public` and its file when the corpus is user-named).
+    """
     if not source.has_public():
         raise DataError(
             f"dataset {name}: its source {getattr(source, 'spec', {}).get('source')!r} has no public part "
-            "(public pretraining text) to write."
+            f"(public pretraining text) to write; add datasets.{name}.public (see config/README.md)."
         )
     n, dropped = 0, 0
     with ParquetBatchWriter(path, PUBLIC_SCHEMA) as writer:
@@ -476,5 +488,10 @@ def write_public(source, name: str, path: str | Path, batch_rows: int = 100_000)
                 writer.write(t)
                 n += t.num_rows
         if n == 0:
-            raise DataError(f"dataset {name}: the public part has no non-empty text.")
+            where = getattr(source, "public_where", None)
+            raise DataError(
+                f"dataset {name}: the public part{f' ({where})' if where else ''} has no non-empty text "
+                f"({dropped} empty text(s) dropped)."
+            )
+    log.info("%s: %d public texts written, %d null or empty texts dropped", name, n, dropped)
     return {"n_public": n, "dropped_empty": dropped}

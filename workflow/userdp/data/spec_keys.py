@@ -39,3 +39,17 @@ def max_examples(name: str, spec: dict) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"datasets.{name}.max_examples is {value!r}; it must be an integer >= 1 or null.")
     return int(value)
+
+
+def check_nested_keys(name: str, key: str, value: dict, allowed: Iterable[str], what: str) -> None:
+    """Raise ConfigError if the mapping `datasets.<name>.<key>` has keys not in `allowed`.
+
+    `what` says what the mapping is (e.g. "a public corpus") for the message.
+    """
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        keys = ", ".join(f"datasets.{name}.{key}.{k}" for k in unknown)
+        raise ConfigError(
+            f"{keys}: not a key of {what}; allowed keys: {sorted(allowed)}. See config/README.md, "
+            "section 'datasets: sources'."
+        )

@@ -235,6 +235,8 @@ class StackOverflowSource:
             con.close()
 
     def has_public(self) -> bool:
+        # No built-in public part; a `public` key gives one (open_source wraps
+        # this source with userdp.data.public.WithPublicCorpus).
         return False
 
     def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:

@@ -15,7 +15,8 @@ A seeded generator with the properties the study's conclusions depend on:
   attach to, so a small transformer finds both topic and bigram structure;
 - a public corpus from a shifted global topic mixture (weights proportional
   to exp(-public_shift * k)), for non-private pretraining and the tokenizer,
-  so fine-tuning has a distribution shift to close.
+  so fine-tuning has a distribution shift to close. An explicit
+  `datasets.<name>.public` key replaces it (open_source, userdp.data.public).
 
 Everything is vectorised with numpy/pyarrow: users are generated in fixed
 blocks of `_BLOCK_USERS` users, each from its own seed, so the text does not

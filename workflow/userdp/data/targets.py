@@ -43,7 +43,8 @@ def tokenizer_inputs(config: dict) -> dict[str, str]:
     if name is None:
         raise ConfigError(
             "tokenizer.name is null, so a BPE tokenizer is trained on public text, but no dataset has a public "
-            "part; add a synthetic or fortunes dataset (or set tokenizer.public_dataset), or set tokenizer.name."
+            "part; add a synthetic or fortunes dataset, give a dataset a public corpus (datasets.<name>.public), "
+            "or set tokenizer.name."
         )
     return {"public": f"results/data/{name}/public.parquet"}
 

@@ -4,10 +4,16 @@ Each grid cell is trained once per learning rate of `training.learning_rates`.
 The rate with the lowest validation loss (token micro-average) is chosen and
 its test metrics become the cell's result.
 
-Privacy: validation users are disjoint from the training users, so choosing
-the rate on them costs no privacy budget of the training data. Their data is
+Privacy: validation users are disjoint from the training users and are
 treated like test data (held out, not protected by the fine-tuning's DP
-guarantee). This matches the study's protocol.
+guarantee). Choosing among k rates is NOT free for the training data: the
+choice is a function of k models trained on it. Each rate's run draws its own
+Poisson samples and noise (training.engine.run_seeds), so the k runs are
+independent mechanisms, and the released model's guarantee is bounded by
+their composition: k * T steps of the same mechanism (plus the DP
+contribution statistics release once, when there is one). The cell's ledger
+keeps `epsilon` (one run, as the study reports it) and adds
+`learning_rates_tried` and `epsilon_including_lr_selection` (the composition).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..config import fmt_num
 from ..errors import DataError
@@ -117,6 +123,44 @@ def copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         shutil.copyfile(src, tmp)
 
 
+MECHANISM_FIELDS = ("method", "sampling_rate", "noise_multiplier", "clip_norm", "group_size", "delta",
+                    "steps_completed")
+
+
+def with_selection_epsilon(chosen: dict, ledgers: list[dict], paths: list[str],
+                           compute_epsilon: Callable[..., float] | None = None) -> dict:
+    """The chosen run's ledger plus the epsilon of choosing among all `ledgers` (k runs composed).
+
+    All runs of a cell must share the mechanism (same plan); a mismatch means
+    the runs come from different plans and is an error.
+    """
+    from ..training.ledger import recompute_epsilon
+
+    for led, path in zip(ledgers, paths):
+        diff = [k for k in MECHANISM_FIELDS if led.get(k) != chosen.get(k)]
+        if diff:
+            raise DataError(
+                f"{path}: the learning-rate runs of this cell ran different mechanisms ({', '.join(diff)} differ "
+                "from the chosen run's); delete the cell's lr~* folders and rerun."
+            )
+    k = len(ledgers)
+    out = dict(chosen)
+    out["learning_rates_tried"] = k
+    if chosen.get("noise_multiplier") in (None, 0, 0.0):
+        out["epsilon_including_lr_selection"] = math.inf
+    elif k == 1:
+        out["epsilon_including_lr_selection"] = chosen["epsilon"]
+    else:
+        out["epsilon_including_lr_selection"] = recompute_epsilon(
+            chosen["method"], float(chosen["noise_multiplier"]), float(chosen["sampling_rate"]),
+            k * int(chosen["steps_completed"]), float(chosen["delta"]), int(chosen["group_size"]),
+            compute_epsilon=compute_epsilon, contribution_stats=chosen.get("contribution_stats"),
+        )
+    log.info("epsilon of one run %.4g; of choosing among %d learning rates (composed) %.4g",
+             float(chosen["epsilon"]), k, float(out["epsilon_including_lr_selection"]))
+    return out
+
+
 def select_cell(
     learning_rates: list[float],
     eval_paths: list[str],
@@ -137,7 +181,8 @@ def select_cell(
     i = [float(lr) for lr in learning_rates].index(metrics["learning_rate"])
     log.info("chose learning rate %s (validation losses %s)", fmt_num(metrics["learning_rate"]),
              {fmt_num(k): v.get("validation_loss") for k, v in evals.items()})
-    copy_atomic(ledger_paths[i], out_ledger)
+    ledgers = [read_json(p) for p in ledger_paths]
+    write_json(out_ledger, with_selection_epsilon(ledgers[i], ledgers, ledger_paths))
     copy_atomic(train_log_paths[i], out_train_log)
     write_json(out_metrics, metrics)
     return metrics

@@ -272,31 +272,81 @@ def _composed_pld(kind: str, noise_multiplier: float, sampling_rate: float, step
     return _compose(step, steps, discretization)
 
 
-def _trivial(noise_multiplier: float, steps: int) -> float | None:
-    """Epsilon of the degenerate cases: no steps -> 0, no noise -> inf."""
-    if steps == 0:
+# ---------------------------------------------------------------- fixed extra events
+
+
+def _check_fixed_events(extra_events: tuple) -> None:
+    for e in extra_events:
+        if not isinstance(e, dp_accounting.LaplaceDpEvent):
+            raise PrivacyError(
+                f"extra DP event {e!r} is not supported; the accountants compose LaplaceDpEvent releases "
+                "(the DP contribution statistics) with the training steps."
+            )
+        if not (e.noise_multiplier > 0 and math.isfinite(e.noise_multiplier)):
+            raise PrivacyError(f"extra DP event {e!r}: the Laplace noise multiplier must be a finite number > 0.")
+
+
+@lru_cache(maxsize=64)
+def _fixed_pld(extra_events: tuple, discretization: float) -> pld_lib.PrivacyLossDistribution:
+    """PLD of fixed (not calibrated) events composed once, e.g. the DP contribution statistics.
+
+    Laplace releases are built as dp-accounting's PLDAccountant builds a
+    `LaplaceDpEvent` (`from_laplace_mechanism(parameter=noise_multiplier)`,
+    pessimistic, connect-the-dots, add/remove adjacency).
+    """
+    _check_fixed_events(extra_events)
+    pld = pld_lib.identity(value_discretization_interval=discretization)
+    for e in extra_events:
+        pld = pld.compose(pld_lib.from_laplace_mechanism(
+            parameter=float(e.noise_multiplier), value_discretization_interval=discretization))
+    return pld
+
+
+def fixed_events_epsilon(extra_events, delta: float, discretization: float = FINE_DISCRETIZATION) -> float:
+    """Epsilon at delta of the fixed events alone (0 when there are none)."""
+    extra = tuple(extra_events)
+    if not extra:
         return 0.0
-    if noise_multiplier == 0:
+    return float(_fixed_pld(extra, float(discretization)).get_epsilon_for_delta(delta))
+
+
+def _epsilon_of(pld, extra_events: tuple, delta: float, discretization: float) -> float:
+    """epsilon(delta) of the training PLD, composed with the fixed events when there are any."""
+    if extra_events:
+        pld = pld.compose(_fixed_pld(extra_events, discretization))
+    return float(pld.get_epsilon_for_delta(delta))
+
+
+def _trivial(noise_multiplier: float, steps: int, extra_events: tuple = (), delta: float = 0.5,
+             discretization: float = FINE_DISCRETIZATION) -> float | None:
+    """Epsilon of the degenerate cases: no steps -> the fixed events' epsilon (0 without), no noise -> inf."""
+    if noise_multiplier == 0 and steps != 0:
         return math.inf
+    if steps == 0:
+        return fixed_events_epsilon(extra_events, delta, discretization)
     return None
 
 
-def els_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size, discretization=FINE_DISCRETIZATION) -> float:
-    """Tight user-level epsilon of DP-SGD-ELS (MoG accountant)."""
-    triv = _trivial(noise_multiplier, steps)
+def els_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size, discretization=FINE_DISCRETIZATION,
+                extra_events: tuple = ()) -> float:
+    """Tight user-level epsilon of DP-SGD-ELS (MoG accountant), composed with `extra_events` if any."""
+    extra = tuple(extra_events)
+    triv = _trivial(noise_multiplier, steps, extra, delta, discretization)
     if triv is not None:
         return triv
     pld = _composed_pld("els", float(noise_multiplier), float(sampling_rate), int(steps), int(group_size), float(discretization))
-    return float(pld.get_epsilon_for_delta(delta))
+    return _epsilon_of(pld, extra, delta, float(discretization))
 
 
-def uls_epsilon(noise_multiplier, sampling_rate, steps, delta, discretization=FINE_DISCRETIZATION) -> float:
-    """User-level epsilon of DP-SGD-ULS (Poisson-subsampled Gaussian over users)."""
-    triv = _trivial(noise_multiplier, steps)
+def uls_epsilon(noise_multiplier, sampling_rate, steps, delta, discretization=FINE_DISCRETIZATION,
+                extra_events: tuple = ()) -> float:
+    """User-level epsilon of DP-SGD-ULS (Poisson-subsampled Gaussian over users), composed with `extra_events`."""
+    extra = tuple(extra_events)
+    triv = _trivial(noise_multiplier, steps, extra, delta, discretization)
     if triv is not None:
         return triv
     pld = _composed_pld("poisson", float(noise_multiplier), float(sampling_rate), int(steps), 1, float(discretization))
-    return float(pld.get_epsilon_for_delta(delta))
+    return _epsilon_of(pld, extra, delta, float(discretization))
 
 
 def group_privacy_epsilon(
@@ -354,6 +404,7 @@ def compute_epsilon(
     group_size: int = 1,
     *,
     discretization: float = FINE_DISCRETIZATION,
+    extra_events: Iterable[dp_accounting.DpEvent] = (),
 ) -> float:
     """User-level epsilon at `delta` of T steps of DP-SGD with the given mechanism.
 
@@ -361,14 +412,31 @@ def compute_epsilon(
     (user-level Poisson-subsampled Gaussian; group_size does not enter) or
     'group' (ELS through group privacy, for comparison only).
     Pessimistic PLD estimate at `discretization` (1e-4 by default).
-    noise_multiplier 0 gives inf, steps 0 gives 0.
+    noise_multiplier 0 gives inf, steps 0 gives 0 (or the extra events' epsilon).
+    extra_events: fixed releases composed with the T steps in the same PLD
+    (`LaplaceDpEvent`s, e.g. the DP contribution statistics); the result is
+    the epsilon of `ComposedDpEvent([*extra_events, training event])`.
     """
     check_arguments(method, noise_multiplier, sampling_rate, steps, delta, group_size)
+    extra = tuple(extra_events)
     if method == "els":
-        return els_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size, discretization)
+        return els_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size, discretization, extra)
     if method == "uls":
-        return uls_epsilon(noise_multiplier, sampling_rate, steps, delta, discretization)
+        return uls_epsilon(noise_multiplier, sampling_rate, steps, delta, discretization, extra)
+    if extra:
+        raise PrivacyError("the group-privacy accountant is for the comparison figure only; it takes no extra events.")
     return group_privacy_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size, discretization)
+
+
+def total_event(
+    method: str, noise_multiplier: float, sampling_rate: float, steps: int, group_size: int = 1,
+    extra_events: Iterable[dp_accounting.DpEvent] = (),
+) -> dp_accounting.DpEvent:
+    """The whole run as one dp-accounting event: the fixed releases composed with the T training steps."""
+    train = (els_event(noise_multiplier, sampling_rate, steps, group_size) if method == "els"
+             else uls_event(noise_multiplier, sampling_rate, steps))
+    extra = list(extra_events)
+    return dp_accounting.ComposedDpEvent([*extra, train]) if extra else train
 
 
 def accountant_name(method: str) -> str:

@@ -34,10 +34,12 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 from scipy import optimize, special, stats
+
+import dp_accounting
 
 from ..errors import PrivacyError
 from . import accounting
@@ -228,11 +230,11 @@ class _Level:
 # ---------------------------------------------------------------- public entry point
 
 
-def _epsilon_fn(method: str, delta: float, q: float, T: int, G: int, d: float) -> Callable[[float], float]:
+def _epsilon_fn(method: str, delta: float, q: float, T: int, G: int, d: float, extra: tuple = ()) -> Callable[[float], float]:
     if method == "els":
-        return lambda s: accounting.els_epsilon(s, q, T, delta, G, d)
+        return lambda s: accounting.els_epsilon(s, q, T, delta, G, d, extra)
     if method == "uls":
-        return lambda s: accounting.uls_epsilon(s, q, T, delta, d)
+        return lambda s: accounting.uls_epsilon(s, q, T, delta, d, extra)
     return lambda s: accounting.group_privacy_epsilon(s, q, T, delta, G, d)
 
 
@@ -248,6 +250,7 @@ def calibrate(
     max_noise_multiplier: float = DEFAULT_MAX_NOISE,
     discretization: float = FINE_DISCRETIZATION,
     cell: str | None = None,
+    extra_events: Sequence[dp_accounting.DpEvent] = (),
 ) -> CalibrationResult:
     """Smallest noise multiplier meeting (epsilon, delta) for `method`.
 
@@ -255,6 +258,13 @@ def calibrate(
     privacy; comparison only). epsilon = inf returns sigma = 0 (the
     non-private reference). Raises PrivacyError, naming `cell` when given, if
     no sigma up to `max_noise_multiplier` meets the target.
+
+    extra_events: fixed releases (e.g. the DP contribution statistics,
+    `LaplaceDpEvent`) composed with the T steps: epsilon is then the TOTAL
+    budget, and sigma the smallest noise whose composition with them meets
+    it (larger than without them). Every level of the search composes them
+    at its own discretization, so the bracketing and the certification at
+    the fine level are unchanged.
     """
     start = time.perf_counter()
     where = f" for {cell}" if cell else ""
@@ -262,14 +272,23 @@ def calibrate(
     if not (0 < tolerance < 0.5):
         raise PrivacyError(f"calibration tolerance is {tolerance}; it must be in (0, 0.5), e.g. 1e-3.")
     T, G, q = int(steps), int(group_size), float(sampling_rate)
+    extra = tuple(extra_events)
+    if extra and method == "group":
+        raise PrivacyError("the group-privacy accountant is for the comparison figure only; it takes no extra events.")
     base = dict(
         method=method, epsilon=float(epsilon), delta=float(delta), sampling_rate=q, steps=T, group_size=G,
         accountant=accounting.accountant_name(method), tolerance=tolerance, discretization=discretization,
     )
+    fixed_eps = accounting.fixed_events_epsilon(extra, delta, discretization) if extra else 0.0
     if math.isinf(epsilon) or T == 0:
         return CalibrationResult(
-            **base, noise_multiplier=0.0, epsilon_achieved=(0.0 if T == 0 else math.inf), noise_lower=0.0,
+            **base, noise_multiplier=0.0, epsilon_achieved=(fixed_eps if T == 0 else math.inf), noise_lower=0.0,
             seconds=time.perf_counter() - start,
+        )
+    if extra and fixed_eps >= epsilon:
+        raise PrivacyError(
+            f"the fixed releases composed with training{where} already spend epsilon = {fixed_eps:.4g} "
+            f">= the target {epsilon:g} at delta = {delta:.3g}: no noise level leaves room for training."
         )
 
     # Discretizations of the levels: coarse ones scale with the target, so
@@ -280,12 +299,15 @@ def calibrate(
     levels = [lv for i, lv in enumerate(levels) if lv[0] > discretization or i == len(levels) - 1]
     levels = [lv for i, lv in enumerate(levels) if i == 0 or lv[0] < levels[i - 1][0]]
 
-    guess = min(initial_guess(method, epsilon, delta, q, T, G), max_noise_multiplier)
+    # With fixed releases the training part gets roughly what they leave
+    # (composition at a fixed delta is sub-additive, so this guess is high);
+    # only a starting point.
+    guess = min(initial_guess(method, epsilon - fixed_eps, delta, q, T, G), max_noise_multiplier)
     slope = -1.0
     counts: dict[str, int] = {}
     prev: _Level | None = None
     for d, rtol, name in levels:
-        lvl = _Level(_epsilon_fn(method, delta, q, T, G, d), epsilon, slope, name)
+        lvl = _Level(_epsilon_fn(method, delta, q, T, G, d, extra), epsilon, slope, name)
         if prev is None:
             lvl.probe(guess)
         else:
@@ -295,12 +317,15 @@ def calibrate(
         counts[f"d={d:g}"] = lvl.calls
         if lvl.hi is None:
             # Infeasible up to the maximum at this level; confirm at the fine level.
-            fine = _epsilon_fn(method, delta, q, T, G, discretization)(max_noise_multiplier)
+            fine = _epsilon_fn(method, delta, q, T, G, discretization, extra)(max_noise_multiplier)
             if fine > epsilon:
+                fixed_note = (f" That epsilon includes fixed releases worth {fixed_eps:.4g} on their own "
+                              "(the DP contribution statistics)." if extra else "")
                 raise PrivacyError(
                     f"no noise multiplier up to privacy.max_noise_multiplier = {max_noise_multiplier:g} reaches "
                     f"epsilon = {epsilon:g} at delta = {delta:.3g}{where} ({method.upper()}, sampling rate "
-                    f"{q:.4g}, {T} steps, G = {G}): sigma = {max_noise_multiplier:g} gives epsilon = {fine:.4g}. "
+                    f"{q:.4g}, {T} steps, G = {G}): sigma = {max_noise_multiplier:g} gives epsilon = {fine:.4g}."
+                    f"{fixed_note} "
                     "The target is too strict for this sampling rate and step count: use more steps or a smaller compute "
                     "budget (smaller batches), a larger epsilon, or raise privacy.max_noise_multiplier."
                 )

@@ -15,19 +15,24 @@
 * An explicit integer G, or a G sweep, bypasses both rules.
 
 The counts are statistics of private data. Like the study we treat them as
-public (docs/privacy.md says so); dataset sizes are treated as public too.
+public by default (docs/privacy.md says so); dataset sizes are treated as
+public too. With `privacy.contribution_stats.private` the rules read a DP
+histogram of the counts instead (`contribution_stats.NoisyHistogram`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ..errors import PrivacyError
 from .calibration import calibrate
+
+if TYPE_CHECKING:
+    from .contribution_stats import NoisyHistogram
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,20 +97,27 @@ def snr_group_size(
     tolerance: float = 1e-3,
     max_noise_multiplier: float = 500.0,
     cell: str | None = None,
+    histogram: "NoisyHistogram | None" = None,
+    extra_events: Sequence = (),
 ) -> SnrChoice:
     """ULS rule: the G in the candidates with the largest predicted SNR.
 
     Candidates whose cohort sampling rate would exceed 1, or whose epsilon no
     noise level reaches, are skipped (and listed with their reason).
+    histogram: the DP contribution statistics; when given, candidates,
+    mbar_G and mean rho(min(n_u, G)) come from it alone and `counts` only
+    gives N (a public dataset size). extra_events: fixed releases composed
+    into each candidate's sigma (the statistics' Laplace event).
     """
     c = np.asarray(counts, dtype=np.int64)
     N = c.size
     table: list[dict] = []
-    for G in snr_candidates(c, max_quantile):
-        st = bounded_stats(c, G)
-        M = compute_budget / (steps * st.mean_contribution)
+    candidates = histogram.snr_candidates(max_quantile) if histogram is not None else snr_candidates(c, max_quantile)
+    for G in candidates:
+        mean_contribution = histogram.mean_bounded(G) if histogram is not None else bounded_stats(c, G).mean_contribution
+        M = compute_budget / (steps * mean_contribution)
         q_u = M / N
-        row = {"group_size": G, "mean_bounded_contribution": st.mean_contribution, "expected_batch": M, "sampling_rate": q_u}
+        row = {"group_size": G, "mean_bounded_contribution": mean_contribution, "expected_batch": M, "sampling_rate": q_u}
         if q_u > 1:
             row.update(noise_multiplier=None, snr=None, skipped="sampling rate > 1")
             table.append(row)
@@ -119,13 +131,15 @@ def snr_group_size(
                 # cheaper). The chosen G is calibrated again at full precision.
                 sigma = calibrate(
                     "uls", epsilon, delta, q_u, steps, tolerance=max(tolerance, 3e-3),
-                    max_noise_multiplier=max_noise_multiplier, discretization=1e-3,
+                    max_noise_multiplier=max_noise_multiplier, discretization=1e-3, extra_events=extra_events,
                 ).noise_multiplier
             except PrivacyError as exc:
                 row.update(noise_multiplier=None, snr=None, skipped=str(exc))
                 table.append(row)
                 continue
-        signal = M * float(clipping_survival(np.minimum(c, G), noise_ratio).mean())
+        survival = (histogram.mean_survival(G, noise_ratio) if histogram is not None
+                    else float(clipping_survival(np.minimum(c, G), noise_ratio).mean()))
+        signal = M * survival
         snr = signal / sigma if sigma > 0 else math.inf
         row.update(noise_multiplier=sigma, snr=snr, skipped=None)
         table.append(row)

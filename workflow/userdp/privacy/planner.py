@@ -20,8 +20,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import ConfigError, PrivacyError
-from . import accounting
+from . import accounting, contribution_stats
 from .calibration import calibrate
+from .contribution_stats import NoisyHistogram
 from .group_size import bounded_stats, median_group_size, snr_group_size
 
 
@@ -57,8 +58,13 @@ def choose_group_size(
     delta: float,
     explicit: int | None = None,
     cell: str | None = None,
+    histogram: NoisyHistogram | None = None,
 ) -> tuple[int, str, list[dict] | None]:
-    """(G, rule name, SNR candidate table or None) for one cell."""
+    """(G, rule name, SNR candidate table or None) for one cell.
+
+    histogram: the DP contribution statistics; when given, the median and SNR
+    rules read it instead of `counts` (which then only give N).
+    """
     if explicit is not None:
         return int(explicit), "explicit (grid.group_size_sweep)", None
     gs = privacy.get("group_size", {}) or {}
@@ -68,6 +74,8 @@ def choose_group_size(
     if isinstance(rule, int):
         return int(rule), f"fixed (privacy.group_size.{method} = {rule})", None
     if rule == "median":
+        if histogram is not None:
+            return histogram.median_group_size(), "median of train contributions (DP histogram, lower bin edge)", None
         return median_group_size(counts), "median of train contributions", None
     if method == "els":
         raise ConfigError(
@@ -85,8 +93,11 @@ def choose_group_size(
         tolerance=float(privacy.get("calibration_tolerance", 1e-3)),
         max_noise_multiplier=float(privacy.get("max_noise_multiplier", 500)),
         cell=cell,
+        histogram=histogram,
+        extra_events=(histogram.dp_event(),) if histogram is not None else (),
     )
-    return choice.group_size, "snr (predicted signal-to-noise, docs/privacy.md)", choice.table
+    rule = "snr (predicted signal-to-noise, docs/privacy.md)"
+    return choice.group_size, rule + (" on the DP histogram" if histogram is not None else ""), choice.table
 
 
 def plan_cell(
@@ -100,6 +111,7 @@ def plan_cell(
     privacy: dict,
     group_size: int | None = None,
     reference_epsilon: float | None = None,
+    stats: NoisyHistogram | None = None,
 ) -> dict[str, Any]:
     """The plan of one grid cell (the plan JSON of artifacts.md).
 
@@ -108,6 +120,11 @@ def plan_cell(
     reference_epsilon: for the non-private cell (epsilon = inf), the finite
     epsilon whose SNR choice of G the reference reuses (the loosest grid
     epsilon), so the reference trains on the pool a private run would use.
+    stats: the DP contribution statistics release (required when
+    `privacy.contribution_stats.private`): the G rules read it instead of the
+    counts, and its Laplace event is composed into the calibration, so
+    `epsilon` is the total of the release and the T steps. N_G and mbar_G of
+    the chosen G stay exact (dataset sizes after bounding are public).
     """
     counts = np.asarray(counts, dtype=np.int64)
     cell = cell_label(dataset, method, epsilon, compute_budget, group_size)
@@ -121,9 +138,26 @@ def plan_cell(
     delta, delta_rule = resolve_delta(privacy, n_users)
     private = not math.isinf(epsilon)
     eps_for_g = epsilon if private or reference_epsilon is None else float(reference_epsilon)
+    stats_settings = contribution_stats.settings(privacy)
+    if stats_settings is not None and stats is None:
+        raise PrivacyError(
+            f"{cell}: {contribution_stats.KEY}.private is true but no DP contribution statistics were given; "
+            "the plan rule reads them from results/data/{dataset}/contributions_dp.json (rule contribution_stats_dp)."
+        )
+    if stats is not None and stats_settings is None:
+        raise PrivacyError(
+            f"{cell}: DP contribution statistics were given but {contribution_stats.KEY}.private is false; "
+            "turn the option on or plan without them."
+        )
+    extra_events: tuple = ()
+    if stats is not None:
+        contribution_stats.check_budget(stats.epsilon, epsilon, cell)
+        if eps_for_g != epsilon:
+            contribution_stats.check_budget(stats.epsilon, eps_for_g, cell + " (reference epsilon for G)")
+        extra_events = (stats.dp_event(),)
     G, rule, table = choose_group_size(
         method, counts, privacy, compute_budget=compute_budget, steps=steps, epsilon=eps_for_g,
-        delta=delta, explicit=group_size, cell=cell,
+        delta=delta, explicit=group_size, cell=cell, histogram=stats,
     )
     st = bounded_stats(counts, G)
     if method == "els":
@@ -144,9 +178,18 @@ def plan_cell(
     tolerance = float(privacy.get("calibration_tolerance", 1e-3))
     max_noise = float(privacy.get("max_noise_multiplier", 500))
     if private:
-        cal = calibrate(
-            method, epsilon, delta, q, steps, G, tolerance=tolerance, max_noise_multiplier=max_noise, cell=cell
-        )
+        try:
+            cal = calibrate(
+                method, epsilon, delta, q, steps, G, tolerance=tolerance, max_noise_multiplier=max_noise, cell=cell,
+                extra_events=extra_events,
+            )
+        except PrivacyError as exc:
+            if not extra_events:
+                raise
+            raise PrivacyError(
+                f"{exc} The DP contribution statistics ({contribution_stats.KEY}.epsilon = {stats.epsilon:g}) are "
+                f"composed into this cell's epsilon; a smaller {contribution_stats.KEY}.epsilon leaves more for training."
+            ) from exc
         sigma, eps_ach = cal.noise_multiplier, cal.epsilon_achieved
         calibration = {
             "tolerance": tolerance,
@@ -156,6 +199,8 @@ def plan_cell(
             "seconds": round(cal.seconds, 3),
         }
         clip_norm, clipping, accountant = float(privacy.get("clip_norm", 1.0)), privacy.get("clipping", "flat"), accounting.accountant_name(method)
+        if extra_events:
+            accountant += "+" + contribution_stats.ACCOUNTANT_SUFFIX
     else:
         sigma, eps_ach, calibration = 0.0, math.inf, None
         clip_norm, clipping, accountant = None, None, "none (non-private reference)"
@@ -186,6 +231,16 @@ def plan_cell(
         "contribution_statistics": "treated as public (docs/privacy.md)",
         "library_versions": accounting.library_versions(),
     }
+    if stats is not None:
+        plan["contribution_statistics"] = (
+            "private: Laplace histogram composed into epsilon; dataset sizes N, N_G, mbar_G treated as public "
+            "(docs/privacy.md)"
+        )
+        record = stats.record()
+        if private:
+            # How the total splits (for reporting): the training steps alone at the plan's sigma.
+            record["epsilon_training_only"] = accounting.compute_epsilon(method, sigma, q, steps, delta, G)
+        plan["contribution_stats"] = record
     if table is not None:
         plan["group_size_candidates"] = table
         if not private:
@@ -212,3 +267,66 @@ def read_train_counts(users_path: str) -> np.ndarray:
     if (counts < 1).any():
         raise DataError(f"{users_path}: {int((counts < 1).sum())} train users have n_examples < 1.")
     return counts
+
+
+def read_train_token_counts(tokens_path: str, batch_rows: int = 1 << 18) -> np.ndarray:
+    """Rows per train user of results/data/{dataset}/tokens.parquet (chunk mode).
+
+    With `tokenizer.long_examples: chunk` one example becomes several rows
+    (windows), and the training pool bounds G over rows; the counts that
+    choose G and give N_G / mbar_G must be those rows, not users.parquet's
+    examples. Streams the two id columns (column projection, no pre-buffer):
+    per batch, train rows are counted per user with pyarrow's `value_counts`
+    and partial counts are merged with a group-by sum, so memory is bounded by
+    one batch plus one (user, count) pair per train user.
+    Users are returned in no particular order (the planner only needs the
+    multiset of counts).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ..errors import DataError
+    from ..io import streaming_parquet
+
+    try:
+        pf = streaming_parquet(tokens_path)
+    except FileNotFoundError as exc:
+        raise DataError(f"{tokens_path} does not exist; run the data stage (rule tokenize) first.") from exc
+    missing = [c for c in ("user_id", "split") if c not in pf.schema_arrow.names]
+    if missing:
+        raise DataError(f"{tokens_path} lacks column(s) {missing}; rebuild it with the data stage (rule tokenize).")
+    parts: list[pa.Table] = []
+    held = 0
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=["user_id", "split"]):
+        train = pc.fill_null(pc.equal(batch.column("split"), "train"), False)
+        uid = pc.filter(batch.column("user_id"), train)
+        if len(uid) == 0:
+            continue
+        vc = pc.value_counts(uid)
+        parts.append(pa.table({"user_id": vc.field("values"), "n": vc.field("counts")}))
+        held += len(vc)
+        if len(parts) > 1 and held > 4 * batch_rows:  # merge partial counts: memory stays ~ one row per user
+            parts = [_sum_counts(parts)]
+            held = parts[0].num_rows
+    if not parts:
+        raise DataError(f"{tokens_path} has no rows with split == 'train'.")
+    merged = _sum_counts(parts) if len(parts) > 1 else parts[0]
+    return merged.column("n").to_numpy().astype(np.int64)
+
+
+def _sum_counts(parts: list):
+    """One (user_id, n) table from partial per-user counts (group-by sum)."""
+    import pyarrow as pa
+
+    t = pa.concat_tables(parts).group_by("user_id").aggregate([("n", "sum")])
+    return t.select(["user_id", "n_sum"]).rename_columns(["user_id", "n"])
+
+
+def read_counts(users: str | None = None, tokens: str | None = None) -> tuple[np.ndarray, str]:
+    """Train users' counts and where they came from: tokens.parquet rows when given (chunk mode), else users.parquet."""
+    if tokens is not None:
+        return read_train_token_counts(str(tokens)), "tokens.parquet rows per train user (tokenizer.long_examples = chunk)"
+    if users is None:
+        raise ValueError("read_counts needs users.parquet or tokens.parquet")
+    return read_train_counts(str(users)), "users.parquet n_examples of train users"
+

@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..io import atomic_path
@@ -35,6 +36,31 @@ CHECKPOINT_FILE = "state.pt"
 def fingerprint(obj: Any) -> str:
     """SHA-256 of a JSON-serialisable description of the run."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of a model's parameters and buffers (names, dtypes, shapes, bytes).
+
+    Part of a run's fingerprint: a checkpoint made from another base model
+    (e.g. the pretrained model was rebuilt after an interruption) must not be
+    resumed.
+    """
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().reshape(-1).contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def arrays_digest(*arrays: np.ndarray) -> str:
+    """SHA-256 of numpy arrays (dtype, shape, bytes): the content of a training pool."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype}|{a.shape}|".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, state: dict[str, Any]) -> Path:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..config import fmt_num
 from ..errors import DataError
 from ..io import write_json, write_parquet
 from . import checkpoint as ckpt
@@ -121,20 +123,53 @@ class TrainOutcome:
 
 
 def run_seeds(config_seed: int, run_seed: int, dataset: str, method: str, eps: str, budget: int | str,
-              group_size: int) -> dict[str, int]:
-    """Seeds of a run, derived from the config seed and the cell.
+              group_size: int, learning_rate: float | None = None, secret: bool = False) -> dict[str, Any]:
+    """Seeds of a run, derived from the config seed, the cell and its learning rate.
 
-    The learning rate is deliberately left out: every rate of a sweep sees the
-    same batches and noise, so rates are compared on equal footing.
+    The learning rate IS part of the seeds: runs of a learning-rate sweep that
+    shared their batches and noise would let the noise cancel between two
+    released models (with SGD, (theta0 - theta_a)/lr_a - (theta0 - theta_b)/lr_b
+    is a noise-free sum of clipped gradients), so every rate draws its own
+    Poisson samples and its own noise, and the k runs of a sweep compose as k
+    independent mechanisms (see evaluation.select).
+
+    secret: the sampler and noise seeds are replaced by fresh OS entropy when
+    training starts (`privacy.secret_seeds`): with seeds derived from the
+    config, anyone who has the config can regenerate the Poisson samples and
+    the noise of a released model, which voids the guarantee.
     """
     cell = (int(config_seed), dataset, method, eps, int(budget), int(group_size), int(run_seed))
+    if learning_rate is not None:
+        cell = cell + (fmt_num(float(learning_rate)),)
     return {
         "config": int(config_seed),
         "run": int(run_seed),
         "sampler": derive_seed(*cell, "sampler"),
         "noise": derive_seed(*cell, "noise"),
         "torch": derive_seed(*cell, "torch"),
+        "secret": bool(secret),
     }
+
+
+SECRET_SEEDS = ("sampler", "noise")
+
+
+def draw_secret_seeds(seeds: dict[str, Any], dist: distributed.DistContext | None,
+                      device: torch.device) -> dict[str, Any]:
+    """`seeds` with the sampler and noise seeds drawn from OS entropy (rank 0's, sent to every rank).
+
+    Every rank must draw the same Poisson sample, so rank 0 draws and broadcasts.
+    """
+    fresh = {k: secrets.randbits(63) for k in SECRET_SEEDS} if dist is None or dist.is_main else None
+    fresh = distributed.broadcast_object(fresh, dist, device)
+    return {**seeds, **fresh}
+
+
+def public_seeds(seeds: dict[str, Any]) -> dict[str, Any]:
+    """The seeds as written to the ledger and the checkpoint fingerprint: secret ones masked."""
+    if not seeds.get("secret"):
+        return dict(seeds)
+    return {k: ("secret" if k in SECRET_SEEDS else v) for k, v in seeds.items()}
 
 
 def _default_gradient_source() -> Callable[..., Any]:
@@ -202,6 +237,11 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
 
     n_units = pool.n_examples if method == "els" else pool.n_users
+    if seeds.get("secret"):
+        # Fresh entropy at every start; a resumed run restores the sampler's and
+        # the noise's RNG states from its checkpoint below, so it continues the
+        # same secret streams. Only the checkpoint (deleted at the end) holds them.
+        seeds = draw_secret_seeds(seeds, dist, device)
     sampler = PoissonSampler(n_units, q, seeds["sampler"])
     expected = sampler.expected_size
     if expected <= 0:
@@ -223,7 +263,10 @@ def train(
         "plan": {k: plan.get(k) for k in ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping",
                                          "group_size", "steps", "delta")},
         "settings": {k: v for k, v in asdict(settings).items() if k not in ("device", "log_every_s")},
-        "seeds": seeds, "n_units": n_units, "n_pool_examples": pool.n_examples,
+        "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
+        # content, not only sizes: a rebuilt base model or training data must not resume an old run
+        "model": ckpt.model_digest(model),
+        "pool": ckpt.arrays_digest(pool.user_offsets, pool.example_ids, pool.token_offsets, pool.token_values),
     })
     step, examples_processed, users_processed = 0, 0, 0
     rows: list[dict[str, Any]] = []
@@ -359,7 +402,7 @@ def train(
     ledger = build_ledger(
         plan, steps_completed=step, expected_batch=expected, n_train_users=pool.n_users,
         n_pool_examples=pool.n_examples, examples_processed=examples_processed, users_processed=users_processed,
-        learning_rate=settings.learning_rate, training=asdict(settings), seeds=seeds, resumed_at=resumed_at,
+        learning_rate=settings.learning_rate, training=asdict(settings), seeds=public_seeds(seeds), resumed_at=resumed_at,
         compute_epsilon=compute_epsilon,
     )
     ledger["n_examples_before_bounding"] = pool.n_examples_before_bounding

@@ -72,7 +72,8 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
             f"{len(tokenizer)} tokens; set tokenizer.name to the model's own tokenizer (model.name {job.model!r})."
         )
     settings = engine.TrainSettings.from_config(config, float(job.learning_rate))
-    seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G)
+    seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G,
+                             float(job.learning_rate), secret=bool(config["privacy"].get("secret_seeds", False)))
     outcome = engine.train(model, train_pool, plan, settings, engine.RunPaths(job.run_dir), seeds, pad_id, dist=dist)
     if not outcome.complete:
         raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{plan['steps']}")

@@ -5,6 +5,9 @@ norm, G, steps completed, delta); epsilon is then recomputed from those
 values by the accountant alone, as dp-accounting separates events from
 accountants. For a complete run it must equal the plan's epsilon_achieved;
 a mismatch means training ran a different mechanism than was planned.
+When the plan spent part of its epsilon on DP contribution statistics
+(`contribution_stats`), the ledger records that release too and its epsilon
+composes it with the steps, as the plan's calibration did.
 """
 
 from __future__ import annotations
@@ -45,18 +48,27 @@ def recompute_epsilon(
     delta: float,
     group_size: int,
     compute_epsilon: Callable[..., float] | None = None,
+    contribution_stats: dict | None = None,
 ) -> float:
     """Epsilon of `steps` steps of the mechanism; inf when there is no noise.
 
     ULS accounting does not depend on G (a sampled user is one clipped unit),
-    so G is passed only for ELS.
+    so G is passed only for ELS. contribution_stats: the plan's record of the
+    DP contribution statistics release, if any; its DP event is composed with
+    the steps (it was spent whatever the number of steps, so 0 steps give its
+    epsilon alone).
     """
-    if steps <= 0:
-        return 0.0
-    if noise_multiplier <= 0:
+    from ..privacy.contribution_stats import events_from_record
+
+    extra = events_from_record(contribution_stats)
+    if noise_multiplier <= 0 and steps > 0:
         return math.inf
+    if steps <= 0 and not extra:
+        return 0.0
     fn = compute_epsilon or _default_compute_epsilon()
-    return float(fn(method, noise_multiplier, sampling_rate, steps, delta, group_size=group_size if method == "els" else 1))
+    kwargs = {"extra_events": extra} if extra else {}  # injected stand-ins need not know the keyword
+    return float(fn(method, noise_multiplier, sampling_rate, max(int(steps), 0), delta,
+                    group_size=group_size if method == "els" else 1, **kwargs))
 
 
 def build_ledger(
@@ -77,9 +89,10 @@ def build_ledger(
     """The ledger.json record of a run (fields: artifacts.md, Runs)."""
     noise = float(plan.get("noise_multiplier") or 0.0)
     delta = float(plan["delta"])
+    stats = plan.get("contribution_stats")
     eps = recompute_epsilon(
         plan["method"], noise, float(plan["sampling_rate"]), steps_completed, delta, int(plan["group_size"]),
-        compute_epsilon=compute_epsilon,
+        compute_epsilon=compute_epsilon, contribution_stats=stats,
     )
     budget = plan.get("compute_budget")
     ledger = {
@@ -116,4 +129,8 @@ def build_ledger(
         "resumed_at_steps": list(resumed_at),
         "versions": library_versions(),
     }
+    if stats:
+        # The DP contribution statistics release is part of the run's guarantee:
+        # `epsilon` above composes its event with the steps (docs/privacy.md).
+        ledger["contribution_stats"] = {k: stats.get(k) for k in ("private", "mechanism", "epsilon", "dp_event", "file")}
     return ledger
