@@ -98,3 +98,32 @@ def test_real_package_matches_documented_counts():
     assert 2_900 <= len(counts) <= 3_600
     assert 100 <= max(counts.values()) <= 130
     assert 2_200 <= sum(1 for c in counts.values() if c == 1) <= 2_700
+
+
+def _norm(text):
+    return " ".join(text.split())
+
+
+def test_public_texts_never_repeat_attributed_texts(tmp_path):
+    """A text that is also some user's (attributed) quote is private: it must not be public too.
+
+    The public part feeds the tokenizer and non-private pretraining without
+    noise, so an overlap would leak user data outside the DP guarantee.
+    """
+    quotes = [
+        ("Shared wisdom,\n  said twice.", "Some Author"),
+        ("Shared   wisdom, said twice.", None),      # same text after whitespace normalisation
+        ("Truly public.", None),
+        ("Also shared.", None),                      # public first, attributed later
+        ("Also shared.\n", "Other Author"),
+        ("Only private.", "Some Author"),
+    ]
+    src = _source(build_fortune_file(tmp_path / "overlap", quotes))
+    assert _public(src) == ["Truly public."]
+    assert sorted(t for _, t in _private(src)) == ["Also shared.", "Only private.", "Shared wisdom,\n  said twice."]
+    # The packaged corpus has such overlaps (the same quote with and without
+    # an attribution); after the fix none remain.
+    real = _source()
+    private = {_norm(t) for _, t in _private(real, batch_rows=4096)}
+    public = [_norm(t) for t in _public(real, batch_rows=4096)]
+    assert public and not private.intersection(public)

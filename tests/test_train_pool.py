@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from scipy import stats
 
 from train_fixtures import tokens_table
 from userdp.errors import DataError
-from userdp.training.pool import _canonical_order, _choose, build_pool, load_train_pool, read_train_tokens
+from userdp.training.pool import (_canonical_order, _choose, build_pool, load_train_pool, read_train_tokens,
+                                  user_hashes)
 
 
 @pytest.fixture()
@@ -129,9 +133,10 @@ def test_blockwise_keys_give_the_same_choice():
     ex_ids = rng.permutation(len(user_idx)).astype(np.int64)
     perm = rng.permutation(len(user_idx))
     canonical = _canonical_order(user_idx[perm], ex_ids[perm])
-    whole = _choose(*canonical, 50, 4, seed=9, block_rows=1 << 30)
+    hashes = user_hashes([f"user{u}" for u in range(50)], seed=9)
+    whole = _choose(*canonical, hashes, 4, block_rows=1 << 30)
     for block in (1, 5, 64):
-        part = _choose(*canonical, 50, 4, seed=9, block_rows=block)
+        part = _choose(*canonical, hashes, 4, block_rows=block)
         for x, y in zip(whole, part):
             assert np.array_equal(x, y)
 
@@ -157,3 +162,73 @@ def test_streamed_pool_checks_like_read_train_tokens(tmp_path):
     pq.write_table(pa.table({"user_id": ["a"], "split": ["train"]}), missing)
     with pytest.raises(DataError, match="example_id"):
         load_train_pool(missing, 2, 0)
+
+
+def _kept_by_user(pool):
+    return {u: sorted(pool.example_ids[pool.user_offsets[i]:pool.user_offsets[i + 1]].tolist())
+            for i, u in enumerate(pool.user_ids)}
+
+
+def test_removing_one_user_leaves_every_other_choice_unchanged(tmp_path):
+    # Neighbouring datasets (one user removed) must give bounded pools that
+    # differ in that user's rows only, for the (public) seed actually used:
+    # the DP argument needs Bound(D) and Bound(D') to be neighbours.
+    train = tokens_table(80, seed=2, median=9, splits=(0.0, 0.0))
+    G = 3
+    users = sorted(set(train["user_id"].to_pylist()))
+    for seed in (0, 5):
+        full = _kept_by_user(build_pool(train, G, seed))
+        assert sum(len(v) < n for v, n in zip(full.values(), np.unique(
+            train["user_id"].to_numpy(zero_copy_only=False), return_counts=True)[1])) >= 10  # many users capped
+        for gone in (users[0], users[len(users) // 2]):
+            rest = train.filter(pc.not_equal(train["user_id"], gone))
+            without = _kept_by_user(build_pool(rest, G, seed))
+            assert without == {u: v for u, v in full.items() if u != gone}
+            # the streamed route too
+            path = tmp_path / f"rest_{seed}.parquet"
+            pq.write_table(rest, path)
+            assert _kept_by_user(load_train_pool(path, G, seed, batch_rows=29)) == without
+
+
+def test_kept_subset_is_uniform_over_seeds_and_users():
+    # n = 6, G = 2: each of the 15 two-subsets must be equally likely, both for
+    # one user over many seeds and over many users (same example ids) at one seed.
+    n, G = 6, 2
+    subsets = {s: i for i, s in enumerate(itertools.combinations(range(100, 100 + n), G))}
+    table = pa.table({
+        "user_id": ["alice"] * n + ["bob"] * n,
+        "example_id": list(range(100, 100 + n)) + list(range(200, 200 + n)),
+        "input_ids": pa.array([[1, 2, 3]] * (2 * n), pa.list_(pa.int32())),
+    })
+    over_seeds = np.zeros(len(subsets))
+    for s in range(1500):
+        pool = build_pool(table, G, seed=s)
+        over_seeds[subsets[tuple(sorted(pool.example_ids[pool.example_user == 0].tolist()))]] += 1
+    n_users = 1500
+    many = pa.table({
+        "user_id": np.repeat([f"user{u}" for u in range(n_users)], n).tolist(),
+        "example_id": np.tile(np.arange(100, 100 + n), n_users),
+        "input_ids": pa.array([[1, 2]] * (n * n_users), pa.list_(pa.int32())),
+    })
+    pool = build_pool(many, G, seed=3)
+    over_users = np.zeros(len(subsets))
+    for u in range(n_users):
+        kept = pool.example_ids[pool.user_offsets[u]:pool.user_offsets[u + 1]]
+        over_users[subsets[tuple(sorted(kept.tolist()))]] += 1
+    for counts in (over_seeds, over_users):
+        p = stats.chisquare(counts).pvalue  # uniform expectation
+        assert p > 1e-3, (counts, p)
+
+
+def test_choice_does_not_depend_on_file_row_order(tmp_path):
+    table = tokens_table(50, seed=4, median=6, splits=(0.0, 0.0))
+    shuffled = table.take(pa.array(np.random.default_rng(1).permutation(table.num_rows)))
+    reversed_ = table.take(pa.array(np.arange(table.num_rows)[::-1].copy()))
+    a, b, c = (tmp_path / f"{k}.parquet" for k in "abc")
+    pq.write_table(table, a)
+    pq.write_table(shuffled, b, row_group_size=13)
+    pq.write_table(reversed_, c)
+    want = _kept_by_user(build_pool(table, 2, seed=8))
+    assert _kept_by_user(build_pool(shuffled, 2, seed=8)) == want
+    for path in (a, b, c):
+        assert _kept_by_user(load_train_pool(path, 2, seed=8, batch_rows=31)) == want

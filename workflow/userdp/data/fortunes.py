@@ -14,7 +14,9 @@ comments. Many quotes end with an attribution line, indented, starting with
 - text = the quote without the attribution, dedented, surrounding blank lines
   and trailing spaces removed, inner line breaks kept.
 - Unattributed quotes are the public part (`iter_public`), for tokenizer
-  training and non-private pretraining.
+  training and non-private pretraining, minus those whose text (whitespace
+  collapsed) is also an attributed quote: user texts never become public. An explicit `datasets.<name>.public`
+  key replaces them (open_source, userdp.data.public).
 
 Spec keys (`datasets.<name>.<key>`), defaults in brackets:
 
@@ -199,15 +201,35 @@ class FortunesSource:
         return True
 
     def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
+        """Unattributed quotes, minus any whose text is also an attributed quote.
+
+        The public part is used without noise (tokenizer, pretraining), so a
+        text that some user also owns must stay private only: the packaged
+        corpus holds a few quotes both with and without an attribution.
+        Texts are compared after whitespace normalisation; all attributed
+        quotes count, also those past `max_examples` (a conservative choice).
+        """
+        attributed = {_normalise(q.text) for q in self._quotes() if q.author is not None}
         texts: list[str] = []
+        dropped = 0
         for quote in self._quotes():
             if quote.author is None:
+                if _normalise(quote.text) in attributed:
+                    dropped += 1
+                    continue
                 texts.append(quote.text)
                 if len(texts) >= batch_rows:
                     yield pa.RecordBatch.from_arrays([pa.array(texts, pa.string())], schema=PUBLIC_SCHEMA)
                     texts = []
         if texts:
             yield pa.RecordBatch.from_arrays([pa.array(texts, pa.string())], schema=PUBLIC_SCHEMA)
+        log.info("datasets.%s: dropped %d unattributed quote(s) from the public part because the same text "
+                 "is also an attributed (user) quote", self.name, dropped)
+
+
+def _normalise(text: str) -> str:
+    """Text with runs of whitespace collapsed to one space, for overlap checks."""
+    return " ".join(text.split())
 
 
 @register("fortunes")

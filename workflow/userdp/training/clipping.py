@@ -290,9 +290,12 @@ class ClippedGradients:
     def _clipped_pass(self, input_ids: Tensor, attention_mask: Tensor, row_weights: Tensor,
                       layout: gn.UnitLayout) -> tuple[float, Tensor]:
         self._layout = layout
-        # Under autocast, per-unit gradients and the final weight gradients use
-        # the autocast dtype (as autocast's own backward would); norms are
-        # always reduced in float32 or wider.
+        # Under autocast, instantiated per-unit gradients are stored in the
+        # autocast dtype (memory); norms are reduced in float32 or wider from
+        # exactly the stored values, and every clipped sum (f_u times those
+        # values, or the reweighted weight-gradient matmul of the ghost path)
+        # is formed in float32 or wider, so a clipped unit has norm <= C up to
+        # float32 rounding, never bf16 rounding.
         dev = input_ids.device.type
         self._low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         self._batch = tuple(input_ids.shape)
@@ -444,7 +447,7 @@ class ClippedGradients:
                 st.unit_grads = []
                 if n_rows:
                     for rec in st.dense:
-                        parts.append(gn.weighted_dense_grad(rec, row_f, n_rows, self._low))
+                        parts.append(gn.weighted_dense_grad(rec, row_f, n_rows))
                     if st.index:
                         n_vocab = p.shape[0]
                         uniq, rows = gn.sparse_index_rows(st.index, layout, n_rows, n_vocab, dt)

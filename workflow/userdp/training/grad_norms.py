@@ -262,14 +262,17 @@ def ghost_sq_norms(st: ParamState, layout: UnitLayout, out: Tensor) -> None:
                     acc += 2 * (picked.transpose(1, 2) * torch.bmm(g, cols[k].transpose(1, 2))).sum((1, 2))
 
 
-def weighted_dense_grad(rec: DenseRecord, row_factor: Tensor, n_rows: int, low: torch.dtype | None = None) -> Tensor:
+def weighted_dense_grad(rec: DenseRecord, row_factor: Tensor, n_rows: int) -> Tensor:
     """sum over rows r < n_rows of f_r sum_t row_t col_t^T: the weight-gradient matmul, rows reweighted.
 
-    Under autocast (`low` = its dtype) the matmul runs in that dtype, as
-    autocast's own backward does; otherwise in at least float32.
+    Always in at least float32, also under autocast: the clip factors come
+    from norms of these very rows and columns in float32, and the DP bound
+    needs ||f_u g_u|| <= C to float32 rounding. A bf16 matmul would round
+    each unit's clipped contribution to ~1.001 C (costs a float32 matmul
+    instead of a bf16 one for the ghost-norm parameters).
     """
     row, col = rec.row[:n_rows], rec.col[:n_rows]
-    dt = low or norm_dtype(torch.promote_types(row.dtype, col.dtype))
+    dt = norm_dtype(torch.promote_types(row.dtype, col.dtype))
     row, col = row.to(dt), col.to(dt)
     f = row_factor[:n_rows].to(dt)[:, None, None]
     # scale whichever side is narrower (fewer elements to copy)

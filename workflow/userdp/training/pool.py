@@ -1,7 +1,12 @@
 """The bounded training pool: train users' examples after contribution bounding.
 
 Method section 2: each train user keeps at most G examples, a uniformly
-random subset drawn with a seeded RNG that never looks at the content. The
+random subset keyed by (seed, user id, example id) that never looks at the
+content. Each row's key is a function of those three alone (a keyed hash of
+the user id, mixed with the example id), so a user's choice does not depend
+on which other users are in the table: removing one user changes only that
+user's rows of the pool, for the very seed used, as the user-level DP
+argument needs (Bound(D) and Bound(D') are neighbours). The
 pool stores the kept token sequences flat (values + offsets, like an Arrow
 list array) so that a corpus of millions of examples costs one int32 per
 token, not a padded matrix. Examples are grouped by user: user `u` owns pool
@@ -18,9 +23,10 @@ small tables and in tests.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -137,22 +143,71 @@ def _has_adjacent_duplicates(users: np.ndarray, ex_sorted: np.ndarray, step: int
     return False
 
 
-def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, n_users: int, group_size: int,
-            seed: int, block_rows: int = 1 << 20) -> _Choice:
+_HASH_PERSON = b"userdp.bound"  # blake2b personalisation: domain separation from other uses of the seed
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 (Steele et al. 2014) on a uint64 array: a bijection whose outputs look uniform.
+
+    Wrapping uint64 arithmetic, vectorised; returns a new array.
+    """
+    z = x + _GOLDEN
+    z ^= z >> np.uint64(30)
+    z *= _MIX1
+    z ^= z >> np.uint64(27)
+    z *= _MIX2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def user_hashes(user_ids: Sequence[str], seed: int) -> np.ndarray:
+    """A 64-bit keyed hash (blake2b, keyed by the seed) of each user id string [N] uint64.
+
+    One hash per distinct user (~0.6 us each: a second per million users);
+    it depends on the id string and the seed only.
+    """
+    keyed = hashlib.blake2b(digest_size=8, key=str(int(seed)).encode(), person=_HASH_PERSON)
+    ids = user_ids.tolist() if isinstance(user_ids, np.ndarray) else user_ids  # Python str: faster to encode
+
+    def digest(u: str) -> bytes:
+        h = keyed.copy()  # the keyed state is set up once, not per user
+        h.update(str(u).encode("utf-8"))
+        return h.digest()
+
+    digests = b"".join(map(digest, ids))
+    return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
+
+
+def row_keys(user_hash: np.ndarray, example_ids: np.ndarray) -> np.ndarray:
+    """Uniform 64-bit key of each row from its user's hash and its example id.
+
+    key = mix(h_u + mix(example_id)): for a fixed user it is a bijection of
+    the example id, so a user's rows never tie, and it depends on nothing but
+    (seed, user id, example id).
+    """
+    with np.errstate(over="ignore"):
+        return _mix64(user_hash + _mix64(example_ids.astype(np.int64).view(np.uint64)))
+
+
+def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, user_hash: np.ndarray, group_size: int,
+            block_rows: int = 1 << 20) -> _Choice:
     """The bounded subset, from ids alone, given the canonical order (`_canonical_order`).
 
-    Each row gets an independent uniform key, drawn in canonical order from
-    one seeded stream, and each user keeps its G smallest keys (ties by
-    position: a stable sort). Keys are drawn and ranked a block of whole
-    users at a time, which gives the same keys and the same choice as one
-    draw for all rows (a Generator draws `random(a)` then `random(b)` exactly
-    as `random(a + b)`), with memory for one block instead of several arrays
-    over all rows.
+    `user_hash[u]` is `user_hashes` of the u-th sorted user id. Each row gets
+    the key `row_keys(user_hash[user], example id)` and each user keeps its G
+    smallest keys (ties by position: a stable sort; keys of one user never
+    tie). As a row's key is a function of (seed, user id, example id) alone,
+    the choice is the same whatever other users or row order the table has,
+    and a block of whole users at a time gives the same choice as all rows at
+    once, with memory for one block instead of several arrays over all rows.
     """
     if _has_adjacent_duplicates(users, ex_sorted):
         raise DataError("tokens table has duplicate (user_id, example_id) rows in the train split; example_id must be unique.")
+    n_users = len(user_hash)
     starts = np.searchsorted(users, np.arange(n_users + 1))  # user u owns canonical rows starts[u]:starts[u+1]
-    rng = np.random.default_rng(seed)
     keep_parts = []
     a = 0
     while a < n_users:
@@ -160,8 +215,8 @@ def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, n_users
         b = max(a + 1, int(np.searchsorted(starts, starts[a] + block_rows, side="right")) - 1)
         b = min(b, n_users)
         lo, hi = int(starts[a]), int(starts[b])
-        keys = rng.random(hi - lo)
         local_users = users[lo:hi]
+        keys = row_keys(user_hash[local_users], ex_sorted[lo:hi])
         by_key = np.lexsort((keys, local_users))  # within user by key; users stay in order
         sizes = np.diff(starts[a:b + 1])
         rank = np.arange(hi - lo) - np.repeat(starts[a:b] - lo, sizes)
@@ -201,10 +256,10 @@ def _pool(user_ids: list[str], choice: _Choice, values: np.ndarray, offsets: np.
 def build_pool(train: pa.Table, group_size: int, seed: int) -> TrainingPool:
     """Bound each user to at most `group_size` examples, chosen uniformly at random.
 
-    The choice depends only on (seed, user_id, example_id) order, never on the
-    text: rows are first put in a canonical order (user, example id), then each
-    row gets an independent uniform key and each user keeps its G smallest keys
-    (a uniformly random G-subset).
+    The choice depends only on (seed, user_id, example_id), never on the text,
+    the row order or the other users: each row gets a uniform key that is a
+    function of those three (`row_keys`) and each user keeps its G smallest
+    keys (a uniformly random G-subset).
     """
     if group_size < 1:
         raise DataError(f"group size G must be >= 1, got {group_size}")
@@ -212,7 +267,7 @@ def build_pool(train: pa.Table, group_size: int, seed: int) -> TrainingPool:
     ex_ids = train["example_id"].to_numpy().astype(np.int64)
     uniq, user_idx = np.unique(users, return_inverse=True)
     del users
-    choice = _choose(*_canonical_order(user_idx.reshape(-1), ex_ids), len(uniq), group_size, seed)
+    choice = _choose(*_canonical_order(user_idx.reshape(-1), ex_ids), user_hashes(uniq, seed), group_size)
     values, offsets = _flat_tokens(train["input_ids"].take(pa.array(choice.kept_rows)))
     return _pool([str(u) for u in uniq], choice, values, offsets, group_size, len(ex_ids))
 
@@ -283,7 +338,7 @@ def load_train_pool(path: str | Path, group_size: int, seed: int, batch_rows: in
         codes[lo:lo + (1 << 20)] = rank_of_code[codes[lo:lo + (1 << 20)]]
     order, users, ex_sorted = _canonical_order(codes, ex_ids)
     del codes, ex_ids  # only the canonical copies from here on
-    choice = _choose(order, users, ex_sorted, len(uniq), group_size, seed)
+    choice = _choose(order, users, ex_sorted, user_hashes(uniq, seed), group_size)
     del order, users, ex_sorted
 
     # Pass 2: kept rows' tokens in file order, then put in canonical order.
