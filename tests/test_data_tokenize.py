@@ -160,3 +160,133 @@ def test_named_tokenizer_from_local_folder_gets_pad_and_bos(tmp_path, tok_dir):
     assert tok.pad_token_id == tok.eos_token_id == tok.bos_token_id
     with pytest.raises(ConfigError, match="tokenizer.name"):
         load_named(str(tmp_path / "does-not-exist"), tmp_path / "out2")
+
+
+# ------------------------------------------------ fast path: workers, identity
+
+MIXED = [
+    "the cat sat on the mat .",
+    "",  # empty text: [bos, eos]
+    "the dog ran in the park and the bird sang a song on the mat . " * 3,  # long: truncated / 3+ windows
+    "a <|eos|> inside <|bos|> text",  # special-token strings in the text stay special tokens, as before
+    "zyxwvutsrq ünïcödé ✓ 東京",
+    "the bird sang .",
+]
+
+
+def _old_encode(tok, texts):
+    """The previous implementation's encode (ids read twice through generators): the byte-identity baseline."""
+    import itertools
+
+    encs = tok.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) for e in encs), dtype=np.int64, count=len(encs))
+    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def _reference_rows(tok, texts, example_ids, users, seq_len, mode):
+    """Rows tokens.parquet must hold, in plain Python (one `encode` per text, list slicing)."""
+    rows, next_id = [], 0
+    for text, ex, user in zip(texts, example_ids, users):
+        seq = [tok.bos_token_id, *tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, tok.eos_token_id]
+        windows = [seq[:seq_len]] if mode == "truncate" else [seq[i:i + seq_len] for i in range(0, len(seq), seq_len)]
+        for w in windows:
+            if mode == "chunk" and len(w) < 2:
+                continue
+            eid = ex if mode == "truncate" else next_id
+            next_id += mode == "chunk"
+            rows.append({"user_id": user, "example_id": eid, "split": "train", "input_ids": w, "n_tokens": len(w),
+                         "source_example_id": ex})
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["truncate", "chunk"])
+def test_tokens_identical_to_old_implementation_and_any_worker_count(tmp_path, tok_dir, mode, monkeypatch):
+    """threads=1 and threads=2 (worker processes) write the same bytes as the previous implementation,
+    whose rows match a plain-Python reference (special tokens, empty, long and non-ASCII texts)."""
+    import userdp.data.tokenize as tz
+
+    texts = MIXED * 7  # 42 rows in batches of 5: several batches, a short last one
+    users = [f"u{i % 4}" for i in range(len(texts))]
+    pq.write_table(examples_table(texts, users), tmp_path / "examples.parquet", row_group_size=11)
+    args = dict(seq_len=8, mode=mode, batch_rows=5)
+    with monkeypatch.context() as m:
+        m.setattr(tz, "encode", _old_encode)  # the in-process path encodes through the module global
+        old_info = tokenize_examples(tmp_path / "examples.parquet", tok_dir, tmp_path / "old.parquet", **args)
+    info1 = tokenize_examples(tmp_path / "examples.parquet", tok_dir, tmp_path / "t1.parquet", **args, threads=1)
+    info2 = tokenize_examples(tmp_path / "examples.parquet", tok_dir, tmp_path / "t2.parquet", **args, threads=2)
+    old = (tmp_path / "old.parquet").read_bytes()
+    assert (tmp_path / "t1.parquet").read_bytes() == old
+    assert (tmp_path / "t2.parquet").read_bytes() == old
+    assert old_info == info1 == info2
+    tok = load_tokenizer(tok_dir)
+    expected = _reference_rows(tok, texts, list(range(100, 100 + len(texts))), users, 8, mode)
+    assert pq.read_table(tmp_path / "t2.parquet").to_pylist() == expected
+    assert info2["examples_out"] == len(expected) > (len(texts) if mode == "chunk" else len(texts) - 1)
+    # The special-token strings in text 3 became the special ids themselves.
+    special = _reference_rows(tok, [MIXED[3]], [0], ["u"], 64, "truncate")[0]["input_ids"]
+    assert special.count(tok.eos_token_id) == 2 and special.count(tok.bos_token_id) == 2
+
+
+def test_public_tokens_identical_for_any_worker_count(tmp_path, tok_dir):
+    texts = MIXED * 5
+    pq.write_table(pa.table({"text": texts}), tmp_path / "public.parquet")
+    info1 = tokenize_public(tmp_path / "public.parquet", tok_dir, tmp_path / "p1.parquet", seq_len=8, mode="chunk",
+                            batch_rows=4, threads=1)
+    info2 = tokenize_public(tmp_path / "public.parquet", tok_dir, tmp_path / "p2.parquet", seq_len=8, mode="chunk",
+                            batch_rows=4, threads=2)
+    assert (tmp_path / "p1.parquet").read_bytes() == (tmp_path / "p2.parquet").read_bytes()
+    assert info1 == info2
+    tok = load_tokenizer(tok_dir)
+    expected = [r["input_ids"] for r in _reference_rows(tok, texts, range(len(texts)), ["u"] * len(texts), 8, "chunk")]
+    assert pq.read_table(tmp_path / "p2.parquet").column("input_ids").to_pylist() == expected
+
+
+def test_encoded_batches_keeps_order_and_bounds_in_flight_batches(tok_dir):
+    """Worker results come back in input order, with at most 2 x workers batches read ahead."""
+    from userdp.data.tokenize import encoded_batches
+
+    tok = load_tokenizer(tok_dir)
+    texts = [f"the cat {'sat ' * (i % 5)}." for i in range(40)]
+    read = []
+
+    def batches():
+        for i in range(0, len(texts), 4):
+            read.append(i)
+            yield pa.record_batch({"text": texts[i:i + 4]})
+
+    seen = []
+    for k, (batch, flat, lengths) in enumerate(encoded_batches(batches(), tok, workers=2)):
+        assert len(read) <= k + 1 + 2 * 2  # bounded read-ahead
+        assert batch.column("text").to_pylist() == texts[4 * k:4 * k + 4]
+        ref_flat, ref_len = encode(tok, texts[4 * k:4 * k + 4])
+        assert flat.tolist() == ref_flat.tolist() and lengths.tolist() == ref_len.tolist()
+        seen.append(k)
+    assert seen == list(range(10))
+
+
+def test_error_mid_stream_leaves_no_output_and_no_workers(tmp_path, tok_dir, monkeypatch):
+    import multiprocessing
+
+    import userdp.data.tokenize as tz
+
+    pq.write_table(examples_table(MIXED * 4), tmp_path / "examples.parquet")
+    calls, real_frame = [], tz.frame
+
+    def failing_frame(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("disk full")
+        return real_frame(*args, **kwargs)
+
+    monkeypatch.setattr(tz, "frame", failing_frame)
+    try:
+        tokenize_examples(tmp_path / "examples.parquet", tok_dir, tmp_path / "tokens.parquet", seq_len=8,
+                          batch_rows=3, threads=2)
+    except RuntimeError as exc:
+        assert "disk full" in str(exc)
+        # While the traceback (and the generator in its frames) is still alive: the pool is gone.
+        assert multiprocessing.active_children() == []
+    else:
+        raise AssertionError("the error in frame() did not propagate")
+    assert not (tmp_path / "tokens.parquet").exists()

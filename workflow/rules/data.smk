@@ -4,8 +4,8 @@
 # Every rule is keyed by {dataset} alone, so asking for one dataset's
 # artifacts (e.g. results/data/<new>/contributions.json from a --configfile)
 # builds that dataset only. Whether a dataset has a public (pretraining) part
-# is decided from its source type in the config (userdp.data.prepare.
-# has_public_part), so public.parquet / public_tokens.parquet rules exist only
+# is decided from the config: its source type or a `public` key
+# (userdp.data.prepare.has_public_part), so public.parquet / public_tokens.parquet rules exist only
 # for such datasets and no checkpoint is needed.
 from userdp.data.targets import (
     datasets_regex,
@@ -152,7 +152,7 @@ rule tokenize:
         dataset=DATASETS_RE,
     log:
         "results/logs/data/tokenize_{dataset}.log",
-    threads: 2
+    threads: config["tokenizer"]["threads"]
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
         runtime=DATA_RUNTIME,

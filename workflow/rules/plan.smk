@@ -3,37 +3,15 @@
 # accounting comparison (noise needed vs G for the tight ELS accountant, the
 # group-privacy conversion and ULS) with its figure.
 from userdp.config import steps_for_budget
+import userdp.privacy.targets as plan_inputs_lib
 
 # The non-private (eps~inf) cells choose G as the loosest private cell would.
 REFERENCE_EPSILON = max(float(e) for e in config["grid"]["epsilons"])
 
-# Per-user train counts n_u: users.parquet counts examples, but with
-# tokenizer.long_examples = chunk one example becomes several rows of
-# tokens.parquet and the training pool bounds G over rows, so the planner
-# (and the DP statistics) count rows there instead.
-COUNTS_FROM_TOKENS = config["tokenizer"]["long_examples"] == "chunk"
-STATS_PRIVATE = bool(config["privacy"].get("contribution_stats", {}).get("private", False))
-# The option's settings enter the plan's params only when it is on, so that
-# adding the (off) key leaves existing plans' params, hence plans, unchanged.
-# secret_seeds changes where randomness comes from, not the plan: never a plan param.
-PLAN_PRIVACY = {
-    k: v for k, v in config["privacy"].items()
-    if (k != "contribution_stats" or STATS_PRIVATE) and k != "secret_seeds"
-}
-
-
-def count_inputs(wildcards):
-    """The file the train users' counts come from: tokens.parquet (chunk mode) or users.parquet."""
-    if COUNTS_FROM_TOKENS:
-        return {"tokens": f"results/data/{wildcards.dataset}/tokens.parquet"}
-    return {"users": f"results/data/{wildcards.dataset}/users.parquet"}
-
-
-def plan_inputs(wildcards):
-    ins = dict(count_inputs(wildcards), contributions=f"results/data/{wildcards.dataset}/contributions.json")
-    if STATS_PRIVATE:
-        ins["contributions_dp"] = f"results/data/{wildcards.dataset}/contributions_dp.json"
-    return ins
+# Counts n_u come from tokens.parquet in chunk mode (rows, the unit the pool
+# bounds), else users.parquet; the DP histogram is an input only when
+# privacy.contribution_stats.private is on (userdp.privacy.targets).
+PLAN_PRIVACY = plan_inputs_lib.plan_privacy_params(config)
 
 
 # DP contribution statistics (privacy.contribution_stats.private): one noisy
@@ -41,7 +19,7 @@ def plan_inputs(wildcards):
 # cell's G rule; its Laplace event is composed into every cell's epsilon.
 rule contribution_stats_dp:
     input:
-        unpack(count_inputs),
+        unpack(lambda wildcards: plan_inputs_lib.count_inputs(config, wildcards.dataset)),
     output:
         "results/data/{dataset}/contributions_dp.json",
     params:
@@ -62,7 +40,7 @@ rule contribution_stats_dp:
 
 rule plan:
     input:
-        unpack(plan_inputs),
+        unpack(lambda wildcards: plan_inputs_lib.plan_inputs(config, wildcards.dataset)),
     output:
         "results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.json",
     params:

@@ -1,4 +1,9 @@
-"""Snakemake script (rules tokenize and tokenize_public): token ids of examples or public text."""
+"""Snakemake script (rules tokenize and tokenize_public): token ids of examples or public text.
+
+With threads > 1 the library encodes in spawned worker processes, which
+import this script as `__mp_main__`: everything that does work is under the
+`__name__ == "__main__"` guard so the workers only import it.
+"""
 
 import os
 from pathlib import Path
@@ -6,13 +11,10 @@ from pathlib import Path
 import userdp.errors
 import userdp.logutil
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
-os.environ.setdefault("RAYON_NUM_THREADS", str(snakemake.threads))  # noqa: F821
-
-from userdp.data.tokenize import tokenize_examples, tokenize_public  # noqa: E402
-
 
 def main() -> None:
+    from userdp.data.tokenize import tokenize_examples, tokenize_public
+
     fn = tokenize_public if snakemake.rule == "tokenize_public" else tokenize_examples  # noqa: F821
     info = fn(
         snakemake.input.examples,  # noqa: F821
@@ -21,8 +23,14 @@ def main() -> None:
         int(snakemake.params.sequence_length),  # noqa: F821
         snakemake.params.long_examples,  # noqa: F821
         batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]),  # noqa: F821
+        threads=int(snakemake.threads),  # noqa: F821
     )
     log.info("wrote %s: %s", snakemake.output[0], info)  # noqa: F821
 
 
-userdp.errors.run_main(main, log)
+if __name__ == "__main__":
+    log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+    # Rayon threads of the in-process path (one batch, or threads = 1); worker
+    # processes set their own (one each).
+    os.environ.setdefault("RAYON_NUM_THREADS", str(snakemake.threads))  # noqa: F821
+    userdp.errors.run_main(main, log)
