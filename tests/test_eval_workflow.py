@@ -81,7 +81,8 @@ def test_evaluation_stage_runs_end_to_end(tmp_path):
         assert m["test_loss"] == evals[best]["test_loss"]
         assert m["test_perplexity"] == pytest.approx(math.exp(m["test_loss"]))
         assert m["test_n_users"] == 3  # evaluation.max_users
-        assert read_json(tmp_path / c.run_dir / "ledger.json")["learning_rate"] == best
+        led = read_json(tmp_path / c.run_dir / "ledger.json")
+        assert led["learning_rate"] == best and led["learning_rates_tried"] == 2
     pre = read_json(tmp_path / "results/runs/toy/pretrained/metrics.json")
     assert pre["learning_rate"] is None and pre["test_loss"] > 0
     summary = pd.read_parquet(tmp_path / "results/summary/toy/metrics.parquet")

@@ -149,15 +149,15 @@ def with_selection_epsilon(chosen: dict, ledgers: list[dict], paths: list[str],
     if chosen.get("noise_multiplier") in (None, 0, 0.0):
         out["epsilon_including_lr_selection"] = math.inf
     elif k == 1:
-        out["epsilon_including_lr_selection"] = chosen["epsilon"]
+        out["epsilon_including_lr_selection"] = chosen.get("epsilon")
     else:
         out["epsilon_including_lr_selection"] = recompute_epsilon(
             chosen["method"], float(chosen["noise_multiplier"]), float(chosen["sampling_rate"]),
             k * int(chosen["steps_completed"]), float(chosen["delta"]), int(chosen["group_size"]),
             compute_epsilon=compute_epsilon, contribution_stats=chosen.get("contribution_stats"),
         )
-    log.info("epsilon of one run %.4g; of choosing among %d learning rates (composed) %.4g",
-             float(chosen["epsilon"]), k, float(out["epsilon_including_lr_selection"]))
+    log.info("epsilon of one run %s; of choosing among %d learning rates (composed) %.4g",
+             chosen.get("epsilon"), k, float(out["epsilon_including_lr_selection"]))
     return out
 
 
