@@ -70,3 +70,27 @@ def test_infeasible_target_exits_2_with_reason():
             "--steps", "10", "--group-size", "4", "--max-noise-multiplier", "5")
     assert p.returncode == 2
     assert "no noise multiplier up to" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_stats_epsilon_composes_the_contribution_statistics_release(capsys):
+    """--stats-epsilon adds the Laplace histogram release, as plans with DP statistics do."""
+    import dp_accounting
+
+    base = ["--method", "uls", "--sampling-rate", "0.02", "--steps", "50", "--delta", "1e-6", "--json"]
+    assert main(["epsilon", "--noise-multiplier", "1.5", *base]) == 0
+    plain = json.loads(capsys.readouterr().out)["epsilon"]
+    assert main(["epsilon", "--noise-multiplier", "1.5", "--stats-epsilon", "0.3", *base]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["contribution_stats_epsilon"] == 0.3 and rec["epsilon"] > plain
+    extra = (dp_accounting.LaplaceDpEvent(noise_multiplier=1 / 0.3),)
+    assert rec["epsilon"] == pytest.approx(A.compute_epsilon("uls", 1.5, 0.02, 50, 1e-6, extra_events=extra), rel=1e-12)
+    # calibration with the release needs more noise, and meets the total
+    assert main(["calibrate", "--epsilon", "2", *base]) == 0
+    sigma_plain = json.loads(capsys.readouterr().out)["noise_multiplier"]
+    assert main(["calibrate", "--epsilon", "2", "--stats-epsilon", "0.3", *base]) == 0
+    cal = json.loads(capsys.readouterr().out)
+    assert cal["noise_multiplier"] > sigma_plain
+    assert A.compute_epsilon("uls", cal["noise_multiplier"], 0.02, 50, 1e-6, extra_events=extra) <= 2.0
+    # the release alone spends the target: exit 2 with the reason
+    assert main(["calibrate", "--epsilon", "0.2", "--stats-epsilon", "0.3", *base]) == 2
+    assert "no noise level leaves room for training" in capsys.readouterr().err

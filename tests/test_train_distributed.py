@@ -92,6 +92,9 @@ def _worker(rank: int, world: int, root: str) -> None:
             results[name] = {"params": params, "log": out.log, "ledger": out.ledger, "complete": out.complete}
         params, out = run_case("resume", root / "dist", max_steps=2)
         results["resume_stop"] = {"params": params, "complete": out.complete}
+        # privacy.secret_seeds: rank 0's fresh entropy must reach every rank (same Poisson sample everywhere)
+        secret = engine.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01, secret=True)
+        results["secret_seeds"] = engine.draw_secret_seeds(secret, ctx, torch.device("cpu"))
         torch.save(results, root / f"rank{rank}.pt")
     finally:
         torch_dist.destroy_process_group()
@@ -218,3 +221,11 @@ def test_torchrun_launcher_matches_in_process_job(tmp_path):
     assert "[rank 1]" not in text  # other ranks log errors only
     assert "differs from q * N" not in text
     assert not list((tmp_path / "two").glob(".finetune-job-*"))  # the job file is removed
+
+
+def test_secret_seeds_are_the_same_on_every_rank(runs):
+    root, ranks, single = runs
+    a, b = ranks[0]["secret_seeds"], ranks[1]["secret_seeds"]
+    assert a == b and a["secret"] is True
+    public = engine.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01)
+    assert a["sampler"] != public["sampler"] and a["noise"] != public["noise"]  # fresh, not config-derived

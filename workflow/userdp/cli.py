@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--group-size", type=_int_at_least("group size", 1), default=1, help="G, examples per user (default 1)")
         sp.add_argument("--delta", required=True, type=_delta, help="delta in (0, 1)")
         sp.add_argument("--json", action="store_true", help="print one JSON object (plan field names)")
+        sp.add_argument(
+            "--stats-epsilon", type=_positive_float("stats epsilon"), default=None,
+            help="compose the DP contribution statistics release (privacy.contribution_stats.epsilon: a Laplace "
+            "histogram, pure epsilon-DP) with the T steps, as the pipeline's plans do",
+        )
 
     e = sub.add_parser("epsilon", help="epsilon of T steps at a given noise multiplier")
     common(e)
@@ -116,11 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .privacy import accounting
     from .privacy.calibration import calibrate
 
+    from .privacy.contribution_stats import laplace_event
+
+    extra = (laplace_event(args.stats_epsilon),) if args.stats_epsilon is not None else ()
     try:
         if args.command == "epsilon":
             eps = accounting.compute_epsilon(
                 args.method, args.noise_multiplier, args.sampling_rate, args.steps, args.delta, args.group_size,
-                discretization=args.discretization,
+                discretization=args.discretization, extra_events=extra,
             )
             record = {
                 "method": args.method,
@@ -133,13 +141,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "accountant": accounting.accountant_name(args.method),
                 "discretization": args.discretization,
             }
+            if extra:
+                record["contribution_stats_epsilon"] = args.stats_epsilon
             _emit(record, args.json, f"epsilon = {eps:.6g} at delta = {args.delta:.3g}")
         else:
             r = calibrate(
                 args.method, args.epsilon, args.delta, args.sampling_rate, args.steps, args.group_size,
-                tolerance=args.tolerance, max_noise_multiplier=args.max_noise_multiplier,
+                tolerance=args.tolerance, max_noise_multiplier=args.max_noise_multiplier, extra_events=extra,
             )
             record = r.to_dict()
+            if extra:
+                record["contribution_stats_epsilon"] = args.stats_epsilon
             _emit(
                 record, args.json,
                 f"noise multiplier = {r.noise_multiplier:.6g} (epsilon achieved {r.epsilon_achieved:.6g} <= "
