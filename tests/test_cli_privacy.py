@@ -94,3 +94,16 @@ def test_stats_epsilon_composes_the_contribution_statistics_release(capsys):
     # the release alone spends the target: exit 2 with the reason
     assert main(["calibrate", "--epsilon", "0.2", "--stats-epsilon", "0.3", *base]) == 2
     assert "no noise level leaves room for training" in capsys.readouterr().err
+
+
+def test_q_one_with_large_group_is_a_clear_result_not_a_crash(capsys):
+    """ELS at q = 1 (every example every step) is a Gaussian of sensitivity G; extreme probes must not crash."""
+    args = ["calibrate", "--method", "els", "--delta", "1e-6", "--sampling-rate", "1", "--group-size", "64"]
+    assert main([*args, "--epsilon", "0.001", "--steps", "10000"]) == 2
+    assert "no noise multiplier up to" in capsys.readouterr().err
+    feasible = ["calibrate", "--method", "els", "--delta", "1e-6", "--sampling-rate", "1", "--group-size", "4"]
+    assert main([*feasible, "--epsilon", "4", "--steps", "100", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    # q = 1: T Gaussian steps of sensitivity G compose to one of noise sigma / (G sqrt(T))
+    one = A.compute_epsilon("uls", rec["noise_multiplier"] / 4 / 10, 1.0, 1, 1e-6)
+    assert rec["epsilon_achieved"] <= 4.0 and one == pytest.approx(rec["epsilon_achieved"], rel=2e-3)

@@ -102,6 +102,26 @@ def test_group_size_rule_accepts_int_or_rule():
         validate_config(bad)
 
 
+def test_snr_for_els_is_refused_before_any_job():
+    bad = minimal()
+    bad["privacy"] = {"group_size": {"els": "snr"}}
+    with pytest.raises(ConfigError, match=r"privacy.group_size.els is 'snr', a rule for ULS only"):
+        validate_config(bad)
+
+
+def test_yaml_exponent_without_dot_gets_a_spelling_hint():
+    """PyYAML reads 1e-6 as a string; the error says how to write it."""
+    cfg = minimal()
+    cfg.update(yaml.safe_load("privacy: {delta: 1e-6}\ntraining: {learning_rates: [1e-3]}"))
+    assert cfg["privacy"]["delta"] == "1e-6"  # the YAML behaviour the hint is about
+    with pytest.raises(ConfigError, match=r"'privacy.delta' is the string '1e-6'.*e\.g\. 1\.0e-6") as exc:
+        validate_config(cfg)
+    assert "training.learning_rates.0' is the string '1e-3'" in str(exc.value)
+    cfg["privacy"]["delta"] = yaml.safe_load("1.0e-6")
+    cfg["training"]["learning_rates"] = [1.0e-3]
+    validate_config(cfg)
+
+
 def test_load_config_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")

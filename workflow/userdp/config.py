@@ -49,6 +49,22 @@ def _key_path(err: jsonschema.ValidationError) -> str:
     return ".".join(parts) if parts else "(top level)"
 
 
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _with_dot(text: str) -> str:
+    """'1e-6' -> '1.0e-6' (the spelling YAML reads as a float)."""
+    mant, _, exp = text.lower().partition("e")
+    if exp and "." not in mant:
+        return f"{mant}.0e{exp}"
+    return text
+
+
 def _describe(err: jsonschema.ValidationError) -> str:
     key = _key_path(err)
     sch = err.schema if isinstance(err.schema, dict) else {}
@@ -69,6 +85,12 @@ def _describe(err: jsonschema.ValidationError) -> str:
         return f"config key '{key}' is {err.instance!r}; it must be one of: {' or '.join(opts)}."
     if err.validator == "required":
         return f"config key '{key}' misses required key(s): {err.message}."
+    if err.validator == "type" and isinstance(err.instance, str) and _looks_numeric(err.instance):
+        # PyYAML (YAML 1.1) reads 1e-6 or 1e3 without a dot as a string
+        return (
+            f"config key '{key}' is the string {err.instance!r}, not a number: YAML reads exponent notation "
+            f"without a decimal point as text. Write it with a dot, e.g. {_with_dot(err.instance)}."
+        )
     desc = sch.get("description")
     hint = f" ({desc})" if desc else ""
     return f"config key '{key}' is invalid: {err.message}{hint}. See config/README.md."
@@ -106,6 +128,11 @@ def _check_semantics(config: dict, source: str) -> None:
                 f"{source}: grid.datasets names unknown dataset(s) {unknown}; "
                 f"defined datasets: {sorted(config['datasets'])}."
             )
+    if (config["privacy"].get("group_size") or {}).get("els") == "snr":
+        raise ConfigError(
+            f"{source}: privacy.group_size.els is 'snr', a rule for ULS only (it predicts the utility of "
+            "user-level sampling); use 'median' (the study's ELS heuristic) or an integer G."
+        )
     public = config["tokenizer"]["public_dataset"]
     if public is not None and public not in config["datasets"]:
         raise ConfigError(

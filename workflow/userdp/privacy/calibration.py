@@ -121,7 +121,14 @@ def initial_guess(method: str, epsilon: float, delta: float, q: float, T: int, G
         log_mu = optimize.brentq(lambda lm: math.log(max(_gdp_delta(math.exp(lm), epsilon), 1e-300)) - math.log(delta), -12, 6)
         target_log_chi2 = 2 * log_mu - math.log(T)
         f = lambda ls: _log_chi2_step(kind, math.exp(ls), q, G) - target_log_chi2  # noqa: E731
-        return float(math.exp(optimize.brentq(f, math.log(1e-2), math.log(1e4))))
+        lo, hi = math.log(1e-2), math.log(1e4)
+        # No root in the bracket: start at the end the target lies beyond (a
+        # start at a tiny sigma against a large sensitivity makes PLDs huge).
+        if f(hi) > 0:
+            return 1e4
+        if f(lo) < 0:
+            return 1e-2
+        return float(math.exp(optimize.brentq(f, lo, hi)))
     except (ValueError, OverflowError, ZeroDivisionError):
         return 1.0
 
@@ -232,10 +239,31 @@ class _Level:
 
 def _epsilon_fn(method: str, delta: float, q: float, T: int, G: int, d: float, extra: tuple = ()) -> Callable[[float], float]:
     if method == "els":
-        return lambda s: accounting.els_epsilon(s, q, T, delta, G, d, extra)
-    if method == "uls":
-        return lambda s: accounting.uls_epsilon(s, q, T, delta, d, extra)
-    return lambda s: accounting.group_privacy_epsilon(s, q, T, delta, G, d)
+        f = lambda s: accounting.els_epsilon(s, q, T, delta, G, d, extra)  # noqa: E731
+    elif method == "uls":
+        f = lambda s: accounting.uls_epsilon(s, q, T, delta, d, extra)  # noqa: E731
+    else:
+        f = lambda s: accounting.group_privacy_epsilon(s, q, T, delta, G, d)  # noqa: E731
+    return _infeasible_on_failure(f)
+
+
+def _infeasible_on_failure(f: Callable[[float], float]) -> Callable[[float], float]:
+    """`f`, with a failure of dp-accounting at an extreme probe read as "not private enough".
+
+    dp-accounting's PLD construction breaks down where the privacy loss is
+    astronomically large (e.g. sigma = 1 against a sensitivity of 64 at
+    q = 1: a truncation bound comes back None). Such a probe is far from
+    any feasible sigma, so treating it as epsilon = inf only sends the
+    search upward; the returned sigma is still certified by a successful
+    evaluation, never by this fallback.
+    """
+    def g(s: float) -> float:
+        try:
+            return f(s)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError, FloatingPointError) as exc:
+            log.debug("accounting failed at sigma = %g (%s: %s); treating it as infeasible", s, type(exc).__name__, exc)
+            return math.inf
+    return g
 
 
 def calibrate(
