@@ -63,7 +63,7 @@ def plot_noise_vs_group_size(parquet_path: str, png_path: str, pdf_path: str) ->
         gs = sorted(sub["group_size"].unique())
         rax.set_xticks(gs)
         rax.set_xticklabels([str(g) for g in gs])
-        rax.set_xlabel("contribution bound G (examples per user)")
+        rax.set_xlabel("contribution bound G (examples per user, log scale)")
         rax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("noise multiplier σ\n(noise std / clip norm)")
     all_axes[1][0].set_ylabel("σ group privacy /\nσ tight (ELS)")

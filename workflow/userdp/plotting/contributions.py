@@ -41,7 +41,7 @@ def plot_contributions(stats_path: str | Path, png: str | Path, pdf: str | Path 
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.set_xlim(1, edges[-1])
+        ax.set_xlim(0.7, edges[-1])  # a median of 1 must not sit on the axis
         ax.set_ylim(0.8, counts.max() * 2)
         ax.legend(framealpha=0.9, loc="upper right")
     else:

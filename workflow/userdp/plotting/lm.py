@@ -37,6 +37,9 @@ TRAIN_LOSS_LABEL = "training loss (batch mean cross-entropy, nats/token)"
 BUDGET_LABEL = "compute budget K (per-example gradient evaluations)"
 
 
+# Non-private reference lines: ELS dotted, ULS dashed (they often nearly coincide).
+NONPRIVATE_DASHES = {"els": (0, (1, 1.5)), "uls": (0, (5, 3))}
+
 def _num(x: float) -> str:
     if math.isinf(x):
         return "∞"
@@ -129,9 +132,12 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
                             linestyle=st["linestyle"], capsize=3, label=st["label"])
             nonpriv = stats[(stats["method"] == m) & np.isinf(stats["epsilon"])]
             if len(nonpriv):
-                ax.axhline(float(nonpriv["mean"].iloc[0]), color=st["color"], linestyle=":", linewidth=1.5,
+                # distinct dash patterns: the two references often nearly coincide
+                ax.axhline(float(nonpriv["mean"].iloc[0]), color=st["color"],
+                           linestyle=NONPRIVATE_DASHES.get(m, ":"), linewidth=1.6,
                            label=f"{SHORT.get(m, m)}, non-private (ε = ∞)")
         _pretrained_line(ax, pre)
+        ax.margins(y=0.08)  # keep reference lines off the frame
         ax.set_xscale("log")
         if private_eps:
             ax.set_xticks(private_eps)
