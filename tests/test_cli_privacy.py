@@ -107,3 +107,9 @@ def test_q_one_with_large_group_is_a_clear_result_not_a_crash(capsys):
     # q = 1: T Gaussian steps of sensitivity G compose to one of noise sigma / (G sqrt(T))
     one = A.compute_epsilon("uls", rec["noise_multiplier"] / 4 / 10, 1.0, 1, 1e-6)
     assert rec["epsilon_achieved"] <= 4.0 and one == pytest.approx(rec["epsilon_achieved"], rel=2e-3)
+
+
+def test_group_size_with_uls_is_refused(capsys):
+    assert main(["epsilon", "--method", "uls", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--steps", "10",
+                 "--delta", "1e-6", "--group-size", "8"]) == 2
+    assert "--group-size 8 has no effect with --method uls" in capsys.readouterr().err

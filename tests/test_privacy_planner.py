@@ -96,3 +96,14 @@ def test_snr_rule_prefers_larger_groups_when_noise_dominates(counts):
     # and averaging more examples per user pays off.
     choice = snr_group_size(counts, 200000, 20, 0.5, 1e-6, noise_ratio=4.0)
     assert choice.group_size > 1
+
+
+def test_dataset_without_validation_or_test_users_fails_at_plan_time():
+    from userdp.errors import DataError
+    from userdp.privacy.planner import check_evaluation_users
+
+    check_evaluation_users({"n_users": {"train": 10, "validation": 1, "test": 2}}, "d", "c.json")
+    with pytest.raises(DataError, match=r"c.json: dataset 'd' has no validation users.*datasets.d.split.validation"):
+        check_evaluation_users({"n_users": {"train": 10, "validation": 0, "test": 2}}, "d", "c.json")
+    with pytest.raises(DataError, match=r"no validation and no test users"):
+        check_evaluation_users({"n_users": {"train": 10}}, "d", "c.json")

@@ -68,3 +68,17 @@ def test_missing_inputs_are_named(tmp_path):
         with pytest.raises(ConfigError, match="training.device"):
             resolve_device("cuda")
     assert resolve_device("cpu").type == "cpu"
+
+
+def test_saved_model_is_readable_like_other_artifacts_and_missing_folder_is_named(tmp_path):
+    import os
+    import stat
+
+    save_model_atomic(tiny_model(), tmp_path / "model")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == 0o777 & ~umask
+    for f in (tmp_path / "model").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+    with pytest.raises(DataError, match=r"nonexistent_model: the folder does not exist"):
+        load_model(tmp_path / "nonexistent_model")

@@ -3,6 +3,7 @@
 import userdp.errors
 import userdp.io
 import userdp.logutil
+import userdp.privacy.planner
 from userdp.config import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
 from userdp.privacy.planner import plan_cell, read_counts
@@ -16,6 +17,9 @@ def main() -> None:
     inputs = {k: str(v) for k, v in sm.input.items()}
     counts, source = read_counts(users=inputs.get("users"), tokens=inputs.get("tokens"))
     contributions = userdp.io.read_json(sm.input.contributions)
+    # Evaluation (learning-rate choice on validation users, metrics on test
+    # users) needs both splits: fail here, before any training, not after it.
+    userdp.privacy.planner.check_evaluation_users(contributions, w.dataset, str(sm.input.contributions))
     stats = None
     if "contributions_dp" in inputs:
         stats = NoisyHistogram.from_release(userdp.io.read_json(inputs["contributions_dp"]), inputs["contributions_dp"])

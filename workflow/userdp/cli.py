@@ -123,6 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .privacy.contribution_stats import laplace_event
 
+    if args.method == "uls" and args.group_size != 1:
+        print(f"userdp {args.command}: error: --group-size {args.group_size} has no effect with --method uls "
+              "(a sampled user is one clipped unit, whatever its number of examples); omit it.", file=sys.stderr)
+        return 2
+
     extra = (laplace_event(args.stats_epsilon),) if args.stats_epsilon is not None else ()
     try:
         if args.command == "epsilon":

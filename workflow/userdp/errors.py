@@ -10,7 +10,9 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 from typing import Callable
 
 
@@ -30,8 +32,20 @@ class PrivacyError(UserError):
     """A privacy target cannot be met (e.g. no noise level reaches epsilon)."""
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_main(fn: Callable[[], object], log: logging.Logger | None = None) -> None:
-    """Run `fn`; on a UserError print the message and exit with status 2."""
+    """Run `fn`; on a UserError print the message and exit with status 2.
+
+    SIGTERM (what SLURM and snakemake send to a job they stop) becomes a
+    SystemExit, so `with` blocks unwind: temporary files of atomic writes are
+    removed instead of being left behind (Python's default SIGTERM action
+    kills the process without running any cleanup).
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         fn()
     except UserError as exc:

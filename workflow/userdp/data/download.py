@@ -200,7 +200,9 @@ def decompress_lzma(src: str | os.PathLike, dest: str | os.PathLike, chunk_bytes
                     data = fin.read(chunk_bytes)
                     if not data:
                         raise DataError(
-                            f"{src} is truncated (the lzma stream ends early); delete it and download it again."
+                            f"{src} is truncated (the lzma stream ends early). If it is your own copy (datasets.<name>.path), "
+                            "replace it with a complete one; if the pipeline downloaded it, delete it and rerun to "
+                            "download it again."
                         )
                 else:
                     data = b""
@@ -209,6 +211,7 @@ def decompress_lzma(src: str | os.PathLike, dest: str | os.PathLike, chunk_bytes
                 written += len(out)
             fout.flush()
     except lzma.LZMAError as exc:
-        raise DataError(f"{src} is not a valid lzma/xz file ({exc}); delete it and download it again.") from exc
+        raise DataError(f"{src} is not a valid lzma/xz file ({exc}). If it is your own copy (datasets.<name>.path), "
+                         "replace it; if the pipeline downloaded it, delete it and rerun to download it again.") from exc
     log.info("decompressed %s to %s (%.1f MB)", src, dest, written / 1e6)
     return dest

@@ -117,9 +117,11 @@ def load_eval_set(
     # Choose users from the user column alone; read token rows only for them.
     candidates = data.to_table(columns=["user_id"], filter=in_split).column("user_id")
     if len(candidates) == 0:
+        name = Path(path).parent.name
         raise DataError(
-            f"{path}: no rows with split == {split!r}; the dataset needs {split} users "
-            f"(datasets.<name>.split.{split} > 0 in the config)."
+            f"{path}: no rows with split == {split!r}; dataset {name!r} needs {split} users. The user split is a "
+            f"fraction of users (datasets.{name}.split.{split}), so a dataset with few users can get none: raise "
+            f"the fraction or use more users."
         )
     users = choose_users(pc.unique(candidates).to_pylist(), max_users, seed)
     check_held_out(path, users, split)

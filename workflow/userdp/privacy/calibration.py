@@ -354,8 +354,10 @@ def calibrate(
                     f"epsilon = {epsilon:g} at delta = {delta:.3g}{where} ({method.upper()}, sampling rate "
                     f"{q:.4g}, {T} steps, G = {G}): sigma = {max_noise_multiplier:g} gives epsilon = {fine:.4g}."
                     f"{fixed_note} "
-                    "The target is too strict for this sampling rate and step count: use more steps or a smaller compute "
-                    "budget (smaller batches), a larger epsilon, or raise privacy.max_noise_multiplier."
+                    "The target is too strict for this sampling rate and step count: lower the sampling rate (in the "
+                    "pipeline: more steps for the same compute budget, or a smaller budget, both give smaller "
+                    "batches), fewer steps at this rate, a larger epsilon, or raise privacy.max_noise_multiplier "
+                    "(command line: --max-noise-multiplier)."
                 )
             # Coarse pessimism only: carry the maximum on as the feasible end.
             lvl.hi = (max_noise_multiplier, fine)

@@ -330,3 +330,18 @@ def read_counts(users: str | None = None, tokens: str | None = None) -> tuple[np
         raise ValueError("read_counts needs users.parquet or tokens.parquet")
     return read_train_counts(str(users)), "users.parquet n_examples of train users"
 
+
+
+def check_evaluation_users(contributions: dict, dataset: str, where: str) -> None:
+    """DataError when the dataset has no validation or no test users (evaluation would fail after training)."""
+    from ..errors import DataError
+
+    n_users = contributions.get("n_users") or {}
+    empty = [split for split in ("validation", "test") if int(n_users.get(split, 0) or 0) == 0]
+    if empty:
+        raise DataError(
+            f"{where}: dataset {dataset!r} has no {' and no '.join(empty)} users (users per split: "
+            f"{dict(n_users)}); the learning rate is chosen on validation users and results are reported on test "
+            f"users. The split is a fraction of users (datasets.{dataset}.split.validation / .test), so a small "
+            "dataset can get none: raise the fractions or use more users."
+        )

@@ -77,8 +77,14 @@ def load_model(name_or_path: str | os.PathLike, device: torch.device | str = "cp
     """Load a causal LM in fp32 (weights stay fp32; bf16 is autocast only)."""
     from transformers import AutoModelForCausalLM
 
+    text = str(name_or_path)
+    if text.startswith(("/", "./", "../", "~")) and not Path(text).expanduser().exists():
+        # a local path, not a hub id ("org/name"): say so instead of the hub's repo-id complaint
+        raise DataError(f"cannot load a causal LM from {text}: the folder does not exist (model.name is a local "
+                        "path here; fix the path, or give a Hugging Face model id such as gpt2-medium).")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(Path(text).expanduser()) if text.startswith("~") else text,
+                                                     dtype=torch.float32)
     except OSError as exc:
         raise DataError(f"cannot load a causal LM from {name_or_path}: {exc}") from exc
     return model.to(device)
@@ -95,6 +101,13 @@ def save_model_atomic(model: torch.nn.Module, out_dir: str | os.PathLike) -> Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         model.save_pretrained(str(tmp))
+        # mkdtemp makes 0700 (and some writers 0600 files): give the model the
+        # permissions of every other artifact, so group members can read it.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in tmp.rglob("*"):
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
