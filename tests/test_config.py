@@ -1,7 +1,9 @@
 """Config validation: defaults, clear errors naming the key, canonical numbers, grid."""
 
 import copy
+import logging
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +188,223 @@ def test_target_of_an_unknown_dataset_is_a_clear_error(tmp_path):
     )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "prepare_data" in ok.stdout + ok.stderr
+
+
+# ---------------------------------------------------------------- checks before any job runs
+
+
+def with_(**sections):
+    """minimal() with the given sections (dicts) set."""
+    cfg = minimal()
+    cfg.update(copy.deepcopy(sections))
+    return cfg
+
+
+@pytest.mark.parametrize("path", ["config/config.yaml", "tests/configs/tiny.yaml", "tests/slurm/config.yaml"])
+def test_repo_configs_validate_without_warnings(path, caplog):
+    caplog.set_level(logging.WARNING, logger="userdp.config")
+    load_config(REPO / path)
+    assert not [r for r in caplog.records if r.name == "userdp.config"]
+
+
+def test_model_name_needs_tokenizer_name(tmp_path):
+    cfg = with_(model={"name": "gpt2-medium"})
+    with pytest.raises(ConfigError) as exc:
+        validate_config(cfg)
+    assert "model.name is set, so set tokenizer.name to the model's tokenizer (usually the same name)" in str(exc.value)
+    validate_config(with_(model={"name": "gpt2-medium"}, tokenizer={"name": "gpt2-medium"}))
+    # a local model folder that brings its own tokenizer is refused too ...
+    (tmp_path / "hub_copy").mkdir()
+    (tmp_path / "hub_copy" / "config.json").write_text("{}")
+    (tmp_path / "hub_copy" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="set tokenizer.name"):
+        validate_config(with_(model={"name": str(tmp_path / "hub_copy")}))
+    # ... but a folder without tokenizer files (a model this pipeline trained) uses the pipeline's BPE
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "config.json").write_text("{}")
+    validate_config(with_(model={"name": str(tmp_path / "ours")}))
+
+
+def test_tiny_model_heads_must_divide_width():
+    with pytest.raises(ConfigError) as exc:
+        validate_config(with_(model={"n_embd": 30, "n_head": 4}))
+    msg = str(exc.value)
+    assert "model.n_embd (30) must be divisible by model.n_head (4)" in msg and "model.n_head: 3" in msg
+    # not checked for a named model (its own config decides)
+    validate_config(with_(model={"name": "gpt2", "n_embd": 30, "n_head": 4}, tokenizer={"name": "gpt2"}))
+
+
+def test_budgets_with_the_same_compute_are_refused():
+    budgets = [{"compute": 800, "steps": 10}, {"compute": 800, "steps": 20}]
+    with pytest.raises(ConfigError) as exc:
+        validate_config(with_(grid={"budgets": budgets}))
+    msg = str(exc.value)
+    assert "grid.budgets has two entries with compute 800 (steps 10 and 20)" in msg and "budget~K" in msg
+    with pytest.raises(ConfigError, match="mean_estimation.budgets has two entries with compute 800"):
+        validate_config(with_(mean_estimation={"budgets": budgets}))
+
+
+def test_budget_below_one_example_per_step_is_refused():
+    with pytest.raises(ConfigError) as exc:
+        validate_config(with_(grid={"budgets": [{"compute": 30, "steps": 50}]}))
+    msg = str(exc.value)
+    assert "grid.budgets has {compute: 30, steps: 50}" in msg and "less than one example per step" in msg
+    assert "compute >= steps" in msg
+    validate_config(with_(grid={"budgets": [{"compute": 50, "steps": 50}]}))  # exactly one is fine
+    with pytest.raises(ConfigError, match=r"mean_estimation.budgets has \{compute: 5, steps: 10\}"):
+        validate_config(with_(mean_estimation={"budgets": [{"compute": 5, "steps": 10}]}))
+
+
+def test_dataset_keys_are_checked_per_source_at_validation():
+    cfg = {"datasets": {"tiny": {"source": "local", "path": "x.csv", "user_colum": "author"}}}
+    with pytest.raises(ConfigError) as exc:
+        validate_config(cfg)
+    msg = str(exc.value)
+    assert "datasets.tiny.user_colum" in msg and "user_column" in msg and "'local'" in msg
+    # a key of another source
+    with pytest.raises(ConfigError, match=r"datasets\.f\.hub_name: not a key of source 'fortunes'"):
+        validate_config({"datasets": {"f": {"source": "fortunes", "hub_name": "x/y"}}})
+    # the synthetic generator's block is a synthetic key only
+    with pytest.raises(ConfigError, match=r"datasets\.s\.synthetic: not a key of source 'stackoverflow'"):
+        validate_config({"datasets": {"s": {"source": "stackoverflow", "synthetic": {"n_users": 3}}}})
+    for source, spec in [("synthetic", {"synthetic": {"n_users": 50}}), ("stackoverflow", {"splits": ["train"]}),
+                         ("cc_news", {"hub_name": "a/b", "streaming": True}),
+                         ("local", {"path": "x.csv", "user_column": "u"}), ("fortunes", {"path": "f"})]:
+        validate_config({"datasets": {"d": {"source": source, "max_examples": 5, **spec}}})
+
+
+def test_public_corpus_keys_are_checked_at_validation():
+    with pytest.raises(ConfigError, match=r"datasets\.so\.public\.pth: not a key of a public corpus"):
+        validate_config({"datasets": {"so": {"source": "stackoverflow", "public": {"pth": "c4.parquet"}}}})
+    with pytest.raises(ConfigError, match=r"datasets\.so\.public has both of"):
+        validate_config({"datasets": {"so": {"source": "stackoverflow",
+                                             "public": {"path": "c4.parquet", "hub_name": "allenai/c4"}}}})
+    validate_config({"datasets": {"so": {"source": "stackoverflow", "public": {"path": "c4.parquet"}}}})
+
+
+def test_explicit_uls_group_must_fit_the_micro_batch():
+    cfg = with_(privacy={"group_size": {"uls": 32}}, training={"physical_batch_size": 16})
+    with pytest.raises(ConfigError) as exc:
+        validate_config(cfg)
+    msg = str(exc.value)
+    assert "training.physical_batch_size is 16 but ULS needs whole users in one micro-batch" in msg
+    assert "up to 32 examples" in msg and "privacy.group_size.uls" in msg and "physical_batch_size >= 32" in msg
+    # k examples per user bound the largest user
+    validate_config(with_(privacy={"group_size": {"uls": 32}},
+                          training={"physical_batch_size": 16, "uls_examples_per_user": 8}))
+    with pytest.raises(ConfigError, match=r"up to 20 examples.*uls_examples_per_user = 20"):
+        validate_config(with_(privacy={"group_size": {"uls": 32}},
+                              training={"physical_batch_size": 16, "uls_examples_per_user": 20}))
+    # the G sweep runs ULS too
+    with pytest.raises(ConfigError, match=r"G = 64 from grid.group_size_sweep.*drop 64 from grid.group_size_sweep"):
+        validate_config(with_(grid={"group_size_sweep": [1, 64]}, training={"physical_batch_size": 16}))
+    # ELS packs examples, not users: no constraint
+    validate_config(with_(grid={"methods": ["els"], "group_size_sweep": [64]}, training={"physical_batch_size": 16}))
+
+
+def test_group_sweep_epsilon_must_be_a_mean_estimation_epsilon():
+    with pytest.raises(ConfigError) as exc:
+        validate_config(with_(mean_estimation={"epsilons": [1, 4], "group_sweep_epsilon": 2}))
+    msg = str(exc.value)
+    assert "mean_estimation.group_sweep_epsilon is 2" in msg and "mean_estimation.epsilons [1, 4]" in msg
+    validate_config(with_(mean_estimation={"epsilons": [1, 4], "group_sweep_epsilon": 4.0}))
+
+
+def test_private_contribution_stats_need_epsilon_below_every_grid_epsilon():
+    cfg = with_(privacy={"contribution_stats": {"private": True, "epsilon": 0.5}}, grid={"epsilons": [0.5, 8]})
+    with pytest.raises(ConfigError) as exc:
+        validate_config(cfg)
+    msg = str(exc.value)
+    assert "privacy.contribution_stats.epsilon = 0.5 is >= the smallest grid epsilon 0.5" in msg
+    assert "privacy.contribution_stats.private: false" in msg
+    # off: the key is not used
+    validate_config(with_(privacy={"contribution_stats": {"private": False, "epsilon": 0.5}}, grid={"epsilons": [0.5]}))
+    validate_config(with_(privacy={"contribution_stats": {"private": True, "epsilon": 0.05}}, grid={"epsilons": [0.5]}))
+
+
+def _config_warnings(caplog, cfg) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="userdp.config"):
+        validate_config(cfg)
+    return [r.getMessage() for r in caplog.records if r.name == "userdp.config" and r.levelno == logging.WARNING]
+
+
+def test_ignored_settings_log_warnings(caplog):
+    assert _config_warnings(caplog, minimal()) == []
+    two = [{"compute": 800, "steps": 50}, {"compute": 8000, "steps": 100}]
+    w = _config_warnings(caplog, with_(training={"warmup_steps": 50}, grid={"budgets": two}))
+    assert len(w) == 1 and "training.warmup_steps (50) >= 50" in w[0] and "warmup" in w[0]
+    assert _config_warnings(caplog, with_(training={"warmup_steps": 49}, grid={"budgets": two})) == []
+    w = _config_warnings(caplog, with_(privacy={"group_size": {"uls": 4}}, training={"uls_examples_per_user": 8}))
+    assert len(w) == 1 and "training.uls_examples_per_user (8) > privacy.group_size.uls (G = 4)" in w[0]
+    w = _config_warnings(caplog, with_(training={"precision": "bf16", "device": "cpu"}))
+    assert len(w) == 1 and "bf16" in w[0] and "fp32" in w[0]
+    assert _config_warnings(caplog, with_(training={"precision": "bf16", "device": "cuda"})) == []
+    w = _config_warnings(caplog, with_(training={"gpus": 2, "device": "cpu"}))
+    assert len(w) == 1 and "training.gpus is 2 with training.device: cpu" in w[0] and "meant for tests" in w[0]
+
+
+def test_key_order_does_not_change_the_validated_config():
+    """Snakemake compares params by repr: reordered keys must not rerun anything."""
+    a = {"seed": 1,
+         "datasets": {"b": {"source": "fortunes"}, "a": {"source": "synthetic", "split": {"test": 0.2, "validation": 0.1}}},
+         "training": {"threads": 1, "learning_rates": [0.01, 0.001]}, "grid": {"epsilons": [8, 1], "seeds": [0]},
+         "tokenizer": {"vocab_size": 300, "public_dataset": "a"}}  # null would depend on the datasets' order
+
+    def reverse(obj):
+        if isinstance(obj, dict):
+            return {k: reverse(obj[k]) for k in reversed(list(obj))}
+        return obj
+
+    b = reverse(copy.deepcopy(a))
+    assert list(b) != list(a)
+    inner = a["datasets"]
+    out = validate_config(a)
+    assert out is a and a["datasets"] is inner  # snakemake's config object stays the same dict
+    validate_config(b)
+    assert repr(a) == repr(b)
+    assert list(a) == sorted(a) and list(a["training"]) == sorted(a["training"])
+    assert a["training"]["learning_rates"] == [0.01, 0.001] and a["grid"]["epsilons"] == [8, 1]  # lists keep order
+    # validating again changes nothing
+    before = repr(a)
+    validate_config(a)
+    assert repr(a) == before
+
+
+def test_null_public_dataset_keeps_its_config_order_meaning():
+    """null = first dataset in config order with a public part, even though keys get sorted."""
+    cfg = {"datasets": {"zeta": {"source": "fortunes"}, "alpha": {"source": "synthetic"}}}
+    validate_config(cfg)
+    assert list(cfg["datasets"]) == ["alpha", "zeta"]
+    assert cfg["tokenizer"]["public_dataset"] == "zeta"
+    named = validate_config({"datasets": {"zeta": {"source": "fortunes"}}, "tokenizer": {"name": "gpt2"},
+                             "model": {"name": "gpt2"}})
+    assert named["tokenizer"]["public_dataset"] is None  # no BPE is trained
+
+
+def _rule_regex(name: str) -> str:
+    text = (REPO / "workflow" / "rules" / ("common.smk" if name == "eps" else "train.smk")).read_text()
+    return re.search(rf'^\s*{name}=r"([^"]+)"', text, re.M).group(1)
+
+
+@pytest.mark.parametrize("value", [1e16, 2.5e20, 1e-7, 1e15, 0.001])
+def test_fmt_num_text_matches_the_wildcard_patterns(value):
+    text = fmt_num(value)
+    assert "+" not in text and float(text) == value
+    assert re.fullmatch(_rule_regex("eps"), text) and re.fullmatch(_rule_regex("lr"), text)
+
+
+def test_huge_or_infinite_grid_epsilon_is_refused():
+    for eps in [1e16, math.inf]:
+        with pytest.raises(ConfigError) as exc:
+            validate_config(with_(grid={"epsilons": [1, eps]}))
+        msg = str(exc.value)
+        assert "grid.epsilons has" in msg and "use inf for the non-private reference" in msg.lower()
+        assert "grid.nonprivate: true" in msg
+
+
+def test_same_number_twice_in_a_path_list_is_refused():
+    with pytest.raises(ConfigError, match=r"grid.epsilons lists the same number twice \(1 and 1.0, both eps~1\)"):
+        validate_config(with_(grid={"epsilons": [1, 1.0]}))
+    with pytest.raises(ConfigError, match=r"training.learning_rates lists the same number twice.*lr~0.001"):
+        validate_config(with_(training={"learning_rates": [0.001, 1.0e-3]}))

@@ -29,7 +29,7 @@ def test_train_targets_cover_cells_and_rates():
     assert "results/runs/d/method~els/eps~inf/budget~100/seed~0/lr~0.001/model/model.safetensors" in targets
     assert "results/runs/d/method~uls/eps~1/budget~100/group~4/seed~0/lr~0.001/train_log.parquet" in targets
     assert "results/model/pretrained/model.safetensors" in targets
-    named = train_targets(_config(model={"name": "some/model"}))
+    named = train_targets(_config(model={"name": "some/model"}, tokenizer={"name": "some/model"}))
     assert not any(t.startswith("results/model/") for t in named)
 
 
@@ -44,4 +44,4 @@ def test_rule_inputs():
     wc = SimpleNamespace(**{"dataset": "d", "method": "els", "eps": "inf", "budget": "100", "seed": "0",
                              "lr": "0.001"})
     assert finetune_inputs(cfg, wc)["plan"] == "results/plan/d/method~els/eps~inf/budget~100.json"
-    assert "model" not in finetune_inputs(_config(model={"name": "x/y"}), wc)
+    assert "model" not in finetune_inputs(_config(model={"name": "x/y"}, tokenizer={"name": "x/y"}), wc)

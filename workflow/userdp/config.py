@@ -10,6 +10,8 @@ use.
 from __future__ import annotations
 
 import copy
+import importlib
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,12 @@ import yaml
 from .errors import ConfigError
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+
+log = logging.getLogger("userdp.config")
+
+# grid.epsilons from here on are refused: nobody needs them, and the
+# non-private reference is eps~inf (grid.nonprivate).
+MAX_FINITE_EPSILON = 1e15
 
 
 def load_schema() -> dict:
@@ -99,7 +107,11 @@ def _describe(err: jsonschema.ValidationError) -> str:
 def validate_config(config: dict, source: str = "config") -> dict:
     """Validate `config` in place against the schema, filling defaults; return it.
 
-    Raises ConfigError naming the first offending key (sorted by path).
+    Then: checks the schema cannot express (`_check_semantics`, ConfigError),
+    warnings for settings that would be silently ignored, `tokenizer.public_dataset:
+    null` resolved to the dataset it means, and every mapping's keys sorted in
+    place (`sort_keys_in_place`). Raises ConfigError naming the first offending
+    key (sorted by path). Idempotent: validating a validated config changes nothing.
     """
     schema = load_schema()
     errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
@@ -107,11 +119,51 @@ def validate_config(config: dict, source: str = "config") -> dict:
         msgs = "; ".join(_describe(e) for e in errors[:5])
         raise ConfigError(f"{source}: {msgs}")
     _check_semantics(config, source)
+    _warn_ignored_settings(config, source)
+    _resolve_public_dataset(config)
+    sort_keys_in_place(config)
     return config
 
 
+def sort_keys_in_place(obj: Any) -> None:
+    """Sort the keys of every mapping in `obj`, recursively, keeping each dict object.
+
+    Snakemake compares rule params by their repr, so without this a config
+    whose keys merely come in another order (a reordered file, defaults filled
+    in another order) would rerun every job. Each dict is rebuilt in place
+    (clear + update) because Snakemake's `config` must stay the same object;
+    lists keep their order (it means something: e.g. the first budget).
+    """
+    if isinstance(obj, dict):
+        for value in obj.values():
+            sort_keys_in_place(value)
+        items = sorted(obj.items(), key=lambda kv: str(kv[0]))
+        obj.clear()
+        obj.update(items)
+    elif isinstance(obj, list):
+        for value in obj:
+            sort_keys_in_place(value)
+
+
+def _resolve_public_dataset(config: dict) -> None:
+    """Write down which dataset `tokenizer.public_dataset: null` means.
+
+    null means "the first dataset, in config order, with a public part"; the
+    keys of `datasets` are about to be sorted, which would change that choice.
+    """
+    tok = config["tokenizer"]
+    if tok["name"] is not None or tok["public_dataset"] is not None:
+        return
+    from .data.prepare import has_public_part  # lazy: prepare imports numpy/pyarrow
+
+    for name, spec in config["datasets"].items():
+        if has_public_part(spec):
+            tok["public_dataset"] = name
+            return
+
+
 def _check_semantics(config: dict, source: str) -> None:
-    """Checks a JSON schema cannot express."""
+    """Checks a JSON schema cannot express; each raises ConfigError naming the key and the fix."""
     for name, spec in config["datasets"].items():
         split = spec.get("split") or {}
         total = float(split.get("validation", 0)) + float(split.get("test", 0))
@@ -120,6 +172,7 @@ def _check_semantics(config: dict, source: str) -> None:
                 f"{source}: datasets.{name}.split: validation + test = {total:g} leaves no train users; "
                 "make the two fractions sum to less than 1."
             )
+    _check_dataset_keys(config, source)
     grid = config["grid"]
     if grid["datasets"] is not None:
         unknown = [d for d in grid["datasets"] if d not in config["datasets"]]
@@ -138,6 +191,223 @@ def _check_semantics(config: dict, source: str) -> None:
         raise ConfigError(
             f"{source}: tokenizer.public_dataset is {public!r}, which is not a dataset in 'datasets' "
             f"(defined: {sorted(config['datasets'])})."
+        )
+    _check_model(config, source)
+    _check_budgets(grid["budgets"], "grid.budgets", "its artifact paths (budget~K)", source)
+    _check_budgets(config["mean_estimation"]["budgets"], "mean_estimation.budgets",
+                   "its rows of the results (compute_budget)", source)
+    _check_path_numbers(config, source)
+    _check_uls_fits(config, source)
+    _check_contribution_stats(config, source)
+    _check_mean_estimation(config, source)
+
+
+# ---------------------------------------------------------------- semantic checks
+
+
+# Loaders that pass their keys inline instead of a module-level KEYS
+# (synthetic.py: check_keys(name, spec, {"synthetic"})).
+_INLINE_SOURCE_KEYS: dict[str, frozenset[str]] = {"synthetic": frozenset({"synthetic"})}
+
+
+def _source_keys(source: str) -> frozenset[str]:
+    """The dataset keys a source reads besides the common ones: its loader module's KEYS.
+
+    Imported lazily and only for the sources a config uses (loaders import
+    pyarrow, never torch or datasets at module level).
+    """
+    module = importlib.import_module(f"{__package__}.data.{source}")
+    keys = getattr(module, "KEYS", None)
+    return frozenset(keys) if keys is not None else _INLINE_SOURCE_KEYS[source]
+
+
+def _check_dataset_keys(config: dict, source: str) -> None:
+    """Per-source keys of every dataset (and of its `public` corpus), as the loaders check them.
+
+    The schema's dataset definition lists the keys of every source, so
+    `datasets.x.user_colum` or `hub_name` on a local dataset would otherwise
+    only fail when the job that reads the dataset runs.
+    """
+    from .data.spec_keys import check_keys
+
+    for name, spec in config["datasets"].items():
+        try:
+            check_keys(name, spec, _source_keys(spec["source"]))
+            if spec.get("public") is not None:
+                from .data.public import check_public_spec
+
+                check_public_spec(name, spec["public"])
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+
+# Files that come with a saved Hugging Face tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+def _is_folder_without_tokenizer(name: str) -> bool:
+    """Whether `name` is a local model folder that holds no tokenizer (e.g. one this pipeline saved)."""
+    path = Path(name).expanduser()
+    return path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES)
+
+
+def _check_model(config: dict, source: str) -> None:
+    model, tok = config["model"], config["tokenizer"]
+    if model["name"] is None:
+        n_embd, n_head = int(model["n_embd"]), int(model["n_head"])
+        if n_embd % n_head:
+            fits = [h for h in range(1, n_head + 1) if n_embd % h == 0][-1]
+            raise ConfigError(
+                f"{source}: model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head}): the model "
+                f"built from the config splits its width evenly over the heads. Fix: e.g. model.n_head: {fits}, "
+                f"or model.n_embd: {n_embd + (-n_embd) % n_head}."
+            )
+        return
+    # A hub model (or a local copy with its tokenizer) reads its own token ids;
+    # the BPE the pipeline trains when tokenizer.name is null has other ids,
+    # which would be fed to the model's embeddings without any error. The one
+    # legitimate case is a local folder with no tokenizer (a model this
+    # pipeline trained, e.g. a copy of results/model/pretrained): its ids are
+    # the pipeline's BPE.
+    if tok["name"] is None and not _is_folder_without_tokenizer(str(model["name"])):
+        raise ConfigError(
+            f"{source}: model.name is set, so set tokenizer.name to the model's tokenizer (usually the same "
+            f"name): tokenizer.name: {model['name']}. With tokenizer.name null the pipeline trains its own "
+            f"BPE tokenizer, whose token ids mean nothing to {model['name']!r}'s embeddings. (Only a local model "
+            "folder without tokenizer files, e.g. a model this pipeline pretrained, may use the pipeline's BPE.)"
+        )
+
+
+def _check_budgets(budgets: list[dict], key: str, identity: str, source: str) -> None:
+    """Each budget has K >= T (a batch of at least one example per step) and its own K."""
+    seen: dict[int, int] = {}
+    for b in budgets:
+        compute, steps = int(b["compute"]), int(b["steps"])
+        if compute < steps:
+            raise ConfigError(
+                f"{source}: {key} has {{compute: {compute}, steps: {steps}}}: the expected batch K/T = "
+                f"{compute / steps:.3g} is less than one example per step. Fix: compute >= steps (more compute "
+                f"or at most {compute} steps)."
+            )
+        if compute in seen:
+            raise ConfigError(
+                f"{source}: {key} has two entries with compute {compute} (steps {seen[compute]} and {steps}); a "
+                f"budget is identified by its compute K in {identity}, so one of them would be silently "
+                "dropped. Keep one of them, or give them different compute values."
+            )
+        seen[compute] = steps
+
+
+def _check_path_numbers(config: dict, source: str) -> None:
+    """Epsilons and learning rates become path text (eps~, lr~): finite, plain and distinct."""
+    for eps in config["grid"]["epsilons"]:
+        if float(eps) >= MAX_FINITE_EPSILON:
+            raise ConfigError(
+                f"{source}: grid.epsilons has {fmt_num(eps)}; epsilons of 1e15 and above are not supported (no "
+                "study needs them). Use inf for the non-private reference: grid.nonprivate: true adds it (eps~inf) "
+                "to every method and budget."
+            )
+    for key, prefix, values in (("grid.epsilons", "eps~", config["grid"]["epsilons"]),
+                                ("training.learning_rates", "lr~", config["training"]["learning_rates"])):
+        by_text: dict[str, Any] = {}
+        for v in values:
+            text = fmt_num(v)
+            if text in by_text:
+                raise ConfigError(
+                    f"{source}: {key} lists the same number twice ({by_text[text]!r} and {v!r}, both "
+                    f"{prefix}{text}); remove one of them."
+                )
+            by_text[text] = v
+
+
+def _explicit_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _check_uls_fits(config: dict, source: str) -> None:
+    """ULS keeps a user's examples in one micro-batch: explicit G (or k) must fit physical_batch_size.
+
+    The config-time twin of userdp.training.batching.check_uls_fits (same
+    message), for the G the config states; G chosen from the data (median,
+    snr) is checked when the run starts.
+    """
+    if "uls" not in config["grid"]["methods"]:
+        return
+    training = config["training"]
+    pbs, k = int(training["physical_batch_size"]), training["uls_examples_per_user"]
+    explicit = []
+    uls = _explicit_int(config["privacy"]["group_size"]["uls"])
+    if uls is not None:
+        explicit.append(("privacy.group_size.uls", uls, "a smaller G (privacy.group_size.uls)"))
+    for g in config["grid"]["group_size_sweep"]:
+        explicit.append(("grid.group_size_sweep", int(g), f"drop {g} from grid.group_size_sweep"))
+    for key, G, smaller in explicit:
+        largest = G if k is None else min(G, int(k))
+        if largest > pbs:
+            raise ConfigError(
+                f"{source}: training.physical_batch_size is {pbs} but ULS needs whole users in one micro-batch "
+                f"and a user can have up to {largest} examples per step (G = {G} from {key}"
+                + ("" if k is None else f", training.uls_examples_per_user = {k}")
+                + f"). Fix: set training.physical_batch_size >= {largest}, or {smaller}, "
+                "or training.uls_examples_per_user <= training.physical_batch_size."
+            )
+
+
+def _check_contribution_stats(config: dict, source: str) -> None:
+    stats = config["privacy"]["contribution_stats"]
+    if not stats["private"]:
+        return
+    smallest = min(float(e) for e in config["grid"]["epsilons"])
+    if float(stats["epsilon"]) >= smallest:
+        raise ConfigError(
+            f"{source}: privacy.contribution_stats.epsilon = {float(stats['epsilon']):g} is >= the smallest grid "
+            f"epsilon {smallest:g} (grid.epsilons), so the DP contribution statistics alone would spend that "
+            f"cell's whole budget. Set privacy.contribution_stats.epsilon well below it (e.g. {smallest / 10:g}, "
+            "a tenth), or turn the option off (privacy.contribution_stats.private: false)."
+        )
+
+
+def _check_mean_estimation(config: dict, source: str) -> None:
+    me = config["mean_estimation"]
+    sweep = me["group_sweep_epsilon"]
+    if sweep is not None and float(sweep) not in [float(e) for e in me["epsilons"]]:
+        raise ConfigError(
+            f"{source}: mean_estimation.group_sweep_epsilon is {float(sweep):g}, which is not one of "
+            f"mean_estimation.epsilons {list(me['epsilons'])}; pick one of them or null (the middle one)."
+        )
+
+
+def _warn_ignored_settings(config: dict, source: str) -> None:
+    """log.warning for settings that are valid but have no effect (or not the expected one)."""
+    training = config["training"]
+    warmup = int(training["warmup_steps"])
+    shortest = min(int(b["steps"]) for b in config["grid"]["budgets"])
+    if warmup and warmup >= shortest:
+        log.warning(
+            "%s: training.warmup_steps (%d) >= %d, the steps of the shortest grid.budgets entry: those runs end "
+            "inside the linear warmup, so they never train at the full learning rate and training.schedule "
+            "(%s) never starts. Use fewer warmup steps.", source, warmup, shortest, training["schedule"],
+        )
+    k = training["uls_examples_per_user"]
+    uls = _explicit_int(config["privacy"]["group_size"]["uls"])
+    if k is not None and uls is not None and int(k) > uls and "uls" in config["grid"]["methods"]:
+        log.warning(
+            "%s: training.uls_examples_per_user (%d) > privacy.group_size.uls (G = %d): a user keeps at most G "
+            "examples, so every sampled user contributes all of them and uls_examples_per_user has no effect.",
+            source, int(k), uls,
+        )
+    if training["device"] == "cpu" and training["precision"] == "bf16":
+        log.warning(
+            "%s: training.precision is bf16 but training.device is cpu: bf16 autocast is used on CUDA only, so "
+            "the runs train in fp32. Set training.precision: fp32 (or device: cuda/auto).", source,
+        )
+    gpus = int(training["gpus"])
+    if training["device"] == "cpu" and gpus > 1:
+        log.warning(
+            "%s: training.gpus is %d with training.device: cpu: every finetune job requests %d GPUs (resource "
+            "gpu) but runs its %d data-parallel processes on CPU with gloo, which is meant for tests. Set "
+            "training.gpus: 0 for CPU training, or training.device: cuda (or auto) to use the GPUs.",
+            source, gpus, gpus, gpus,
         )
 
 
@@ -160,16 +430,18 @@ def load_config(path: str | Path) -> dict:
 
 
 def fmt_num(x: float | int | str) -> str:
-    """Canonical text of a number for artifact paths: 4, 0.5, 1e-05, inf.
+    """Canonical text of a number for artifact paths: 4, 0.5, 1e-05, 1e16, inf.
 
-    `1` and `1.0` give the same text, so one cell never gets two paths.
+    `1` and `1.0` give the same text, so one cell never gets two paths. The
+    exponent never has a '+' (repr(1e16) is '1e+16'), so the text matches the
+    eps/lr wildcard patterns of the rules, which allow `e-?[0-9]+`.
     """
     v = float(x)
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     if v.is_integer() and abs(v) < 1e15:
         return str(int(v))
-    return repr(v)
+    return repr(v).replace("e+", "e")
 
 
 def parse_num(text: str) -> float:
