@@ -57,7 +57,8 @@ def write_fixture_data(root: Path) -> np.ndarray:
     )
     train = counts[split == "train"]
     (d / "contributions.json").write_text(json.dumps({
-        "n_users": {"train": int(train.size)}, "n_examples": {"train": int(train.sum())},
+        "n_users": {s: int((split == s).sum()) for s in ("train", "validation", "test")},
+        "n_examples": {"train": int(train.sum())},
         "median_train": float(np.median(train)), "max_train": int(train.max()), "quantiles_train": {}, "dropped": {},
     }))
     return train

@@ -5,13 +5,20 @@
 from userdp.config import steps_for_budget
 import userdp.privacy.targets as plan_inputs_lib
 
-# The non-private (eps~inf) cells choose G as the loosest private cell would.
-REFERENCE_EPSILON = max(float(e) for e in config["grid"]["epsilons"])
-
 # Counts n_u come from tokens.parquet in chunk mode (rows, the unit the pool
 # bounds), else users.parquet; the DP histogram is an input only when
 # privacy.contribution_stats.private is on (userdp.privacy.targets).
-PLAN_PRIVACY = plan_inputs_lib.plan_privacy_params(config)
+#
+# Params hold exactly what changes a cell's plan (userdp.privacy.targets):
+# the privacy.* keys this cell reads (never privacy.comparison), and the
+# reference epsilon (the largest grid epsilon) only for the eps~inf cells
+# that use it, so adding an epsilon re-plans no existing private cell.
+_plan_privacy = lambda wildcards: plan_inputs_lib.plan_privacy_params(
+    config, wildcards.method, wildcards.eps, wildcards.get("group")
+)
+_reference_epsilon = lambda wildcards: plan_inputs_lib.reference_epsilon_param(
+    config, wildcards.method, wildcards.eps, wildcards.get("group")
+)
 
 
 # DP contribution statistics (privacy.contribution_stats.private): one noisy
@@ -44,9 +51,9 @@ rule plan:
     output:
         "results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.json",
     params:
-        privacy=PLAN_PRIVACY,
+        privacy=_plan_privacy,
         steps=lambda wildcards: steps_for_budget(config, wildcards.budget),
-        reference_epsilon=REFERENCE_EPSILON,
+        reference_epsilon=_reference_epsilon,
         group_size=None,
     log:
         "results/logs/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.log",
@@ -64,9 +71,9 @@ use rule plan as plan_group_sweep with:
     output:
         "results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.json",
     params:
-        privacy=PLAN_PRIVACY,
+        privacy=_plan_privacy,
         steps=lambda wildcards: steps_for_budget(config, wildcards.budget),
-        reference_epsilon=REFERENCE_EPSILON,
+        reference_epsilon=_reference_epsilon,
         group_size=lambda wildcards: int(wildcards.group),
     log:
         "results/logs/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.log",

@@ -2,13 +2,25 @@
 # fine-tuning run per grid cell and learning rate (rule finetune, and
 # finetune_group for G-sweep cells) into results/runs/.../lr~{lr}/.
 # Targets: userdp.training.targets.train_targets(config).
-from userdp.training.targets import PRETRAINED, base_model, finetune_inputs, pretrain_inputs
+from userdp.training.targets import (
+    PRETRAINED,
+    base_model,
+    finetune_inputs,
+    finetune_params,
+    pretrain_inputs,
+    pretrain_params,
+)
 
 
 wildcard_constraints:
     lr=r"[0-9]+(\.[0-9]+)?(e-?[0-9]+)?",
 
 
+# Params hold exactly the settings that change a rule's result (see
+# userdp.training.targets.finetune_params / pretrain_params), so changing
+# e.g. training.optimizer reruns every run while training.threads,
+# physical_batch_size or checkpoint_every rerun nothing. The scripts read the
+# full config; every result-changing key they read must be in these params.
 RUN = "results/runs/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"
 GROUP_RUN = "results/runs/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}/seed~{seed}/lr~{lr}"
 
@@ -19,6 +31,8 @@ rule pretrain:
     output:
         model=f"{PRETRAINED}/model.safetensors",
         config=f"{PRETRAINED}/config.json",
+    params:
+        settings=pretrain_params(config),
     log:
         "results/logs/pretrain.log",
     threads: config["training"]["threads"]
@@ -42,6 +56,7 @@ rule finetune:
     params:
         lr=lambda wildcards: float(wildcards.lr),
         model=base_model(config),
+        settings=finetune_params(config),
     log:
         "results/logs/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.log",
     threads: config["training"]["threads"]

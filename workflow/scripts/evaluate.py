@@ -25,8 +25,9 @@ def main() -> None:
         dataset=sm.wildcards.dataset,
         root_seed=p.seed,
         max_users=p.max_users,
-        batch_size=p.batch_size,
-        device=p.device,
+        # Not params (they change no metric beyond float rounding, so changing them reruns nothing).
+        batch_size=int(sm.config["evaluation"]["batch_size"]),
+        device=sm.config["training"]["device"],
         local_model=p.local_model,
     )
     result["model"] = str(p.model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -17,18 +18,79 @@ def stats_private(config: dict) -> bool:
     return bool((config["privacy"].get("contribution_stats") or {}).get("private", False))
 
 
-def plan_privacy_params(config: dict) -> dict[str, Any]:
-    """The privacy settings that enter a plan's params.
+def sorted_dict(value: Any) -> Any:
+    """`value` with every mapping's keys in sorted order (recursively).
 
-    contribution_stats only when it is on (adding the key switched off leaves
-    existing plans, hence trained runs, up to date); secret_seeds never (it
-    changes where randomness comes from, not the plan).
+    Snakemake records a param as its repr, so a dict whose keys come in a
+    different order (another config file, a merged --configfile) would look
+    changed and rerun the rule; sorting makes the record depend on content only.
     """
-    private = stats_private(config)
-    return {
-        k: v for k, v in config["privacy"].items()
-        if (k != "contribution_stats" or private) and k != "secret_seeds"
-    }
+    if isinstance(value, Mapping):
+        return {str(k): sorted_dict(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return [sorted_dict(v) for v in value]
+    return value
+
+
+def _group_rule(config: dict, method: str) -> Any:
+    gs = config["privacy"].get("group_size") or {}
+    return gs.get(method, "median" if method == "els" else "snr")
+
+
+def plan_privacy_params(config: dict, method: str, eps: str, group: str | None = None) -> dict[str, Any]:
+    """The privacy.* settings that change the plan of one cell (rule plan's `privacy` param).
+
+    Exactly what userdp.privacy.planner.plan_cell reads for this cell, so that
+    changing any other key leaves the plan (and the runs trained from it) up
+    to date:
+
+    - delta, delta_exponent: every cell (delta is in every plan and ledger);
+    - clip_norm, clipping: private cells only (eps~inf plans have no clipping);
+    - calibration_tolerance, max_noise_multiplier: private cells, and cells whose
+      G comes from the SNR rule (it calibrates sigma for each candidate G);
+    - group_size: only this method's rule (plus snr_* when it is "snr"), and
+      nothing for G-sweep cells (their G is the explicit `group` wildcard);
+    - contribution_stats: only when it is on (adding the key switched off
+      leaves existing plans up to date);
+    - never `comparison` (it only feeds rule accounting_comparison) nor
+      `secret_seeds` (it changes where the training randomness comes from,
+      not the plan; rule finetune carries it).
+    """
+    privacy = config["privacy"]
+    private = eps != "inf"
+    explicit = group is not None
+    rule = _group_rule(config, method)
+    snr = not explicit and rule == "snr"
+    out: dict[str, Any] = {k: privacy.get(k) for k in ("delta", "delta_exponent")}
+    if private:
+        out.update({k: privacy.get(k) for k in ("clip_norm", "clipping")})
+    if private or snr:
+        out.update({k: privacy.get(k) for k in ("calibration_tolerance", "max_noise_multiplier")})
+    if not explicit:
+        gs = privacy.get("group_size") or {}
+        chosen: dict[str, Any] = {method: rule}
+        if snr:
+            chosen.update({k: gs[k] for k in ("snr_noise_ratio", "snr_max_quantile") if k in gs})
+        out["group_size"] = chosen
+    if stats_private(config):
+        out["contribution_stats"] = privacy["contribution_stats"]
+    return sorted_dict(out)
+
+
+def reference_epsilon_param(config: dict, method: str, eps: str, group: str | None = None) -> float | None:
+    """The reference epsilon of one cell (rule plan's `reference_epsilon` param), or None where unused.
+
+    planner.plan_cell uses it only for a non-private (eps~inf) cell whose G
+    comes from a rule: the SNR rule calibrates at that epsilon, and with DP
+    contribution statistics on, the histogram's budget is checked against it.
+    Every other cell gets None, so adding a larger epsilon to grid.epsilons
+    re-plans only those cells, never the existing private ones.
+    """
+    if eps != "inf" or group is not None:
+        return None
+    if _group_rule(config, method) != "snr" and not stats_private(config):
+        return None
+    return max(float(e) for e in config["grid"]["epsilons"])
 
 
 def count_inputs(config: dict, dataset: str) -> dict[str, str]:

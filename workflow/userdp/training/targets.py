@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import fmt_num, iter_cells
+from ..privacy.targets import sorted_dict
 
 PRETRAINED = "results/model/pretrained"
 PRETRAINED_FILES = (f"{PRETRAINED}/model.safetensors", f"{PRETRAINED}/config.json")
@@ -57,3 +58,55 @@ def finetune_inputs(config: dict, wildcards: Any) -> dict[str, str]:
 def base_model(config: dict) -> str:
     """What `finetune` loads: model.name, or the pretrained folder."""
     return config["model"]["name"] or PRETRAINED
+
+
+# training.* keys that change the trained model. Left out on purpose (changing
+# them reruns nothing): threads, gpus (data-parallel ranks give the one-process
+# result up to float summation order), physical_batch_size (micro-batching sums
+# the same clipped per-unit gradients, only in another order; the ledger still
+# records the value the run used), checkpoint_every (a resumed run continues
+# the same RNG streams), learning_rates (the rate is the {lr} wildcard).
+# device IS kept: the noise is drawn from a generator on that device and the
+# CPU and CUDA generators give different streams, so a run on another device
+# is another draw of the mechanism, not the same result with other rounding.
+FINETUNE_TRAINING_KEYS = ("optimizer", "schedule", "warmup_steps", "precision", "uls_examples_per_user", "device")
+
+
+def model_spec(config: dict) -> dict[str, Any]:
+    """What defines the base model: model.name when set, else the build spec and its pretraining."""
+    m = config["model"]
+    if m["name"]:
+        return {"name": m["name"]}
+    return sorted_dict({k: v for k, v in m.items() if k != "name"})
+
+
+def pretrain_params(config: dict) -> dict[str, Any]:
+    """Everything rule `pretrain`'s result depends on besides its input files (its `settings` param).
+
+    The tokenizer (hence the vocabulary and special ids) is an input file, so a
+    tokenizer change reruns pretraining through it; the sequence length sets
+    n_positions and the pretraining window, so it is here.
+    """
+    return sorted_dict({
+        "model": model_spec(config),
+        "sequence_length": int(config["tokenizer"]["sequence_length"]),
+        "seed": int(config["seed"]),
+    })
+
+
+def finetune_params(config: dict) -> dict[str, Any]:
+    """Everything a fine-tuning run's result depends on besides its input files and wildcards.
+
+    Rule `finetune`'s `settings` param (and `finetune_group`'s): the training.*
+    keys in FINETUNE_TRAINING_KEYS, the sequence length (micro-batch width),
+    the config seed (bounding and run seeds), privacy.secret_seeds (where the
+    sampling and noise randomness comes from) and the model spec.
+    """
+    tr = config["training"]
+    return sorted_dict({
+        "training": {k: tr.get(k) for k in FINETUNE_TRAINING_KEYS},
+        "sequence_length": int(config["tokenizer"]["sequence_length"]),
+        "seed": int(config["seed"]),
+        "secret_seeds": bool(config["privacy"].get("secret_seeds", False)),
+        "model": model_spec(config),
+    })

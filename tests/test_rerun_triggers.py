@@ -1,0 +1,246 @@
+"""Which rules a config change reruns, checked with the real `snakemake`.
+
+The whole DAG of tests/configs/tiny.yaml (plus a G sweep, so rule
+finetune_group exists) is faked cheaply: every output is created empty and
+`snakemake --touch --forceall` runs each job in touch mode, which records the
+job's params and inputs in .snakemake/metadata exactly as a real run would.
+Then `snakemake -n` with one config key changed must plan exactly the rules
+whose params carry that key (and what depends on their outputs), and nothing
+for keys that change no result (threads, batch sizes, checkpointing).
+
+Two fast checks back the "changes no result" claims the workflow relies on:
+fine-tuning with another training.physical_batch_size gives the same model,
+and the plan built from a cell's filtered privacy params is the plan built
+from the whole privacy config (tests/test_eval_metrics.py does the same for
+evaluation.batch_size).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "tests" / "configs" / "tiny.yaml"
+
+# Rules downstream of a fine-tuning run (what a training change must rerun).
+AFTER_FINETUNE = {
+    "finetune", "finetune_group", "evaluate", "select_lr", "aggregate",
+    "plot_lm_loss_vs_budget", "plot_lm_loss_vs_epsilon", "plot_lm_loss_vs_group_size", "plot_training_curves",
+}
+
+
+def base_config() -> dict:
+    config = yaml.safe_load(TINY.read_text())
+    config["grid"]["group_size_sweep"] = [2]  # G-sweep cells: rules plan_group_sweep and finetune_group
+    return config
+
+
+def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 300) -> str:
+    cmd = [
+        sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+        "--configfile", str(configfile), "--replace-workflow-config", "--cores", "2", "--nolock", *args,
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{' '.join(args)} failed (rc {p.returncode}):\n{out[-5000:]}"
+    return out
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def dry_run(workdir: Path, config: dict, name: str) -> tuple[dict[str, int], set[str]]:
+    """(jobs per rule, output files of those jobs) that `snakemake -n` plans for `config`."""
+    out = snakemake(workdir, write_config(workdir / f"{name}.yaml", config), "-n")
+    if "Nothing to be done" in out:
+        return {}, set()
+    table = out[out.index("Job stats:"):]
+    jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table.split("\n\n")[0], re.M)}
+    jobs.pop("total", None)
+    jobs.pop("all", None)
+    outputs = set()
+    for m in re.finditer(r"^    output: (.*)$", out, re.M):
+        outputs.update(s.strip() for s in m.group(1).split(","))
+    return jobs, outputs
+
+
+def changed(**changes) -> dict:
+    """base_config() with dotted keys set, e.g. changed(**{"training.optimizer": "sgd"})."""
+    config = base_config()
+    for key, value in changes.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return config
+
+
+def reversed_keys(value):
+    """`value` with every mapping's keys in reverse order (the same config, written differently)."""
+    if isinstance(value, dict):
+        return {k: reversed_keys(value[k]) for k in reversed(list(value))}
+    return value
+
+
+SCENARIOS = {
+    # keys that change no result, in a file with every key order reversed: nothing reruns
+    "no_result_keys": reversed_keys(changed(**{
+        "training.threads": 2, "training.checkpoint_every": 3, "training.physical_batch_size": 128,
+        "evaluation.batch_size": 7, "evaluation.mem_mb": 3000, "tokenizer.batch_rows": 50, "tokenizer.threads": 1,
+        "resources.finetune_mem_mb": 3000,
+    })),
+    "optimizer": changed(**{"training.optimizer": "sgd"}),
+    "device": changed(**{"training.device": "cpu"}),
+    "model": changed(**{"model.n_layer": 2}),
+    "pretrain": changed(**{"model.pretrain.steps": 41}),
+    "comparison": changed(**{"privacy.comparison.steps": 21}),
+    "uls_group_rule": changed(**{"privacy.group_size.uls": 2}),
+    "add_epsilon": changed(**{"grid.epsilons": [4, 8]}),
+}
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """Fake a finished run of the base config, then dry-run every scenario (in parallel: mostly waiting)."""
+    workdir = tmp_path_factory.mktemp("rerun")
+    base = write_config(workdir / "base.yaml", base_config())
+    summary = snakemake(workdir, base, "--summary")
+    for line in summary.splitlines():
+        cols = line.split("\t")
+        if len(cols) >= 5 and cols[4] == "missing":
+            f = workdir / cols[0]
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.touch()
+    snakemake(workdir, base, "--touch", "--forceall")
+    names = ["baseline", *SCENARIOS]
+    configs = [base_config(), *SCENARIOS.values()]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda nc: dry_run(workdir, nc[1], nc[0]), zip(names, configs)))
+    return dict(zip(names, results))
+
+
+@pytest.mark.integration
+def test_touched_pipeline_is_up_to_date(plans):
+    assert plans["baseline"] == ({}, set())
+
+
+@pytest.mark.integration
+def test_keys_that_change_no_result_rerun_nothing(plans):
+    assert plans["no_result_keys"] == ({}, set())
+
+
+@pytest.mark.integration
+def test_optimizer_reruns_every_finetune_and_only_what_follows(plans):
+    jobs, _ = plans["optimizer"]
+    assert set(jobs) == AFTER_FINETUNE
+    assert jobs["finetune"] == 4 and jobs["finetune_group"] == 2
+
+
+@pytest.mark.integration
+def test_device_reruns_training_but_not_evaluation_of_the_pretrained_model(plans):
+    jobs, _ = plans["device"]
+    assert set(jobs) == AFTER_FINETUNE  # evaluate reruns only because its model is retrained
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("scenario", ["model", "pretrain"])
+def test_model_keys_rerun_pretraining_and_training(plans, scenario):
+    jobs, _ = plans[scenario]
+    assert set(jobs) == AFTER_FINETUNE | {"pretrain", "evaluate_pretrained"}
+
+
+@pytest.mark.integration
+def test_comparison_reruns_only_the_comparison(plans):
+    jobs, _ = plans["comparison"]
+    assert set(jobs) == {"accounting_comparison", "plot_noise_vs_group_size"}
+
+
+@pytest.mark.integration
+def test_group_size_rule_of_one_method_replans_only_that_method(plans):
+    jobs, outputs = plans["uls_group_rule"]
+    planned = {o for o in outputs if o.startswith("results/plan/")}
+    assert planned == {f"results/plan/tiny/method~uls/eps~{e}/budget~960.json" for e in ("4", "inf")}
+    assert jobs["finetune"] == 2 and "finetune_group" not in jobs
+
+
+@pytest.mark.integration
+def test_adding_an_epsilon_leaves_existing_cells_alone(plans):
+    jobs, outputs = plans["add_epsilon"]
+    planned = {o for o in outputs if o.startswith("results/plan/")}
+    # New cells at eps 8; the ULS reference (eps~inf, SNR rule) chooses G at the
+    # largest grid epsilon, which changed, so it alone of the old cells is re-planned.
+    assert planned == {
+        "results/plan/tiny/method~els/eps~8/budget~960.json",
+        "results/plan/tiny/method~uls/eps~8/budget~960.json",
+        "results/plan/tiny/method~uls/eps~inf/budget~960.json",
+    }
+    assert not [o for o in outputs if "/eps~4/" in o or "method~els/eps~inf" in o]
+    assert "plan_group_sweep" not in jobs and "finetune_group" not in jobs
+    assert jobs["finetune"] == 3
+
+
+# --- the claims behind the choice of params -----------------------------------
+
+
+def test_physical_batch_size_does_not_change_the_trained_model(tmp_path):
+    """Micro-batching sums the same clipped per-unit gradients in another order (so: not a param)."""
+    from train_fixtures import SEQ, plan_for, tiny_model, tokens_table
+
+    from userdp.training import engine
+    from userdp.training.pool import build_pool
+
+    t = tokens_table(40, seed=3)
+    pool = build_pool(t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"]), 3, seed=0)
+    fake_eps = lambda *a, **k: 1.0  # noqa: E731 (epsilon's value is not under test)
+    for method in ("els", "uls"):
+        params = []
+        for pbs in (3, 64):
+            model = tiny_model()
+            settings = engine.TrainSettings(learning_rate=1e-2, physical_batch_size=pbs, sequence_length=SEQ,
+                                            checkpoint_every=100, device="cpu", log_every_s=1e9)
+            plan = plan_for(pool, method, expected=6.0, steps=3, sigma=0.5, clip=1.0)
+            engine.train(model, pool, plan, settings, engine.RunPaths(tmp_path / f"{method}{pbs}"),
+                         engine.run_seeds(0, 0, "tiny", method, "8", 100, 3), 0, compute_epsilon=fake_eps)
+            params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        assert torch.allclose(params[0], params[1], rtol=1e-4, atol=1e-6), method
+
+
+def test_filtered_privacy_params_give_the_same_plans():
+    """plan_cell on a cell's params equals plan_cell on the whole privacy config, for every kind of cell."""
+    from userdp.config import validate_config
+    from userdp.privacy.planner import plan_cell
+    from userdp.privacy.targets import plan_privacy_params, reference_epsilon_param
+
+    config = validate_config(copy.deepcopy(base_config()))
+    config["grid"]["epsilons"] = [2, 4]
+    rng = np.random.default_rng(0)
+    counts = np.clip(np.round(np.exp(rng.normal(np.log(4), 1.0, 400))), 1, 64).astype(int)
+    for method, eps, group in [("els", "4", None), ("uls", "4", None), ("els", "inf", None), ("uls", "inf", None),
+                               ("uls", "4", "2"), ("els", "inf", "2")]:
+        kw = dict(dataset="tiny", method=method, epsilon=math.inf if eps == "inf" else float(eps),
+                  compute_budget=960, steps=12, counts=counts, group_size=None if group is None else int(group))
+        full = plan_cell(privacy=config["privacy"], reference_epsilon=4.0, **kw)
+        mine = plan_cell(privacy=plan_privacy_params(config, method, eps, group),
+                         reference_epsilon=reference_epsilon_param(config, method, eps, group), **kw)
+        for p in (full, mine):
+            if p["calibration"]:
+                p["calibration"].pop("seconds")
+        assert mine == full, (method, eps, group)
+    assert reference_epsilon_param(config, "els", "inf") is None  # median rule: G does not depend on epsilon
+    assert reference_epsilon_param(config, "uls", "inf") == 4.0
+    assert "comparison" not in plan_privacy_params(config, "uls", "4")
