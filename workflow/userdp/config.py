@@ -342,15 +342,26 @@ def _check_uls_fits(config: dict, source: str) -> None:
     for g in config["grid"]["group_size_sweep"]:
         explicit.append(("grid.group_size_sweep", int(g), f"drop {g} from grid.group_size_sweep"))
     for key, G, smaller in explicit:
-        largest = G if k is None else min(G, int(k))
-        if largest > pbs:
-            raise ConfigError(
-                f"{source}: training.physical_batch_size is {pbs} but ULS needs whole users in one micro-batch "
-                f"and a user can have up to {largest} examples per step (G = {G} from {key}"
-                + ("" if k is None else f", training.uls_examples_per_user = {k}")
-                + f"). Fix: set training.physical_batch_size >= {largest}, or {smaller}, "
-                "or training.uls_examples_per_user <= training.physical_batch_size."
-            )
+        check_uls_fits(G, pbs, None if k is None else int(k), key=key, smaller=smaller, source=source)
+
+
+def check_uls_fits(group_size: int, physical_batch_size: int, examples_per_user: int | None, *,
+                   key: str = "privacy.group_size.uls", smaller: str = "a smaller G (privacy.group_size.uls)",
+                   source: str | None = None) -> None:
+    """ULS micro-batches hold whole users: the largest user's rows of a step must fit in one.
+
+    Used at config validation (explicit G) and by the training engine (any G).
+    """
+    largest = group_size if examples_per_user is None else min(group_size, examples_per_user)
+    if largest > physical_batch_size:
+        raise ConfigError(
+            (f"{source}: " if source else "")
+            + f"training.physical_batch_size is {physical_batch_size} but ULS needs whole users in one micro-batch "
+            f"and a user can have up to {largest} examples per step (G = {group_size} from {key}"
+            + ("" if examples_per_user is None else f", training.uls_examples_per_user = {examples_per_user}")
+            + f"). Fix: set training.physical_batch_size >= {largest}, or {smaller}, "
+            "or training.uls_examples_per_user <= training.physical_batch_size."
+        )
 
 
 def _check_contribution_stats(config: dict, source: str) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import check_uls_fits as config_check_uls_fits
 from ..errors import ConfigError
 from .pool import TrainingPool
 
@@ -49,16 +50,8 @@ class MicroBatch:
 
 
 def check_uls_fits(group_size: int, physical_batch_size: int, examples_per_user: int | None) -> None:
-    """ULS micro-batches hold whole users: the largest user must fit in one."""
-    largest = group_size if examples_per_user is None else min(group_size, examples_per_user)
-    if largest > physical_batch_size:
-        raise ConfigError(
-            f"training.physical_batch_size is {physical_batch_size} but ULS needs whole users in one micro-batch "
-            f"and a user can have up to {largest} examples this step (G = {group_size}"
-            + ("" if examples_per_user is None else f", training.uls_examples_per_user = {examples_per_user}")
-            + f"). Fix: set training.physical_batch_size >= {largest}, or a smaller G (privacy.group_size.uls), "
-            "or training.uls_examples_per_user <= training.physical_batch_size."
-        )
+    """ULS micro-batches hold whole users: the largest user must fit in one (userdp.config.check_uls_fits)."""
+    config_check_uls_fits(group_size, physical_batch_size, examples_per_user, key="the plan")
 
 
 def select_els(pool: TrainingPool, sampled: np.ndarray) -> StepSelection:
