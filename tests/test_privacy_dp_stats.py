@@ -253,7 +253,8 @@ def _workdir(tmp_path: Path, private: bool, long_examples: str) -> Path:
     rows = np.repeat(np.arange(n), 2 * ex)  # chunking doubled every user's rows
     pd.DataFrame({"user_id": [f"u{i}" for i in rows], "example_id": np.arange(rows.size), "split": split[rows],
                   "input_ids": [[1, 2]] * rows.size}).to_parquet(d / "tokens.parquet", index=False)
-    (d / "contributions.json").write_text(json.dumps({"median_train": float(np.median(ex[:251]))}))
+    (d / "contributions.json").write_text(json.dumps({"median_train": float(np.median(ex[:251])),
+                                                      "n_users": {"train": 251, "validation": 25, "test": 25}}))
     return tmp_path
 
 
