@@ -188,6 +188,13 @@ def test_removing_one_user_leaves_every_other_choice_unchanged(tmp_path):
             path = tmp_path / f"rest_{seed}.parquet"
             pq.write_table(rest, path)
             assert _kept_by_user(load_train_pool(path, G, seed, batch_rows=29)) == without
+            # prepare numbers examples contiguously over the dataset, so removing a
+            # user shifts later users' ids: the kept ROWS (by rank) must not change
+            renumbered = rest.set_column(rest.schema.get_field_index("example_id"), "example_id",
+                                         pa.array(np.arange(rest.num_rows), pa.int64()))
+            shift = dict(zip(renumbered["example_id"].to_pylist(), rest["example_id"].to_pylist()))
+            moved = _kept_by_user(build_pool(renumbered, G, seed))
+            assert {u: sorted(shift[e] for e in v) for u, v in moved.items()} == without
 
 
 def test_kept_subset_is_uniform_over_seeds_and_users():

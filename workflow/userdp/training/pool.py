@@ -1,10 +1,12 @@
 """The bounded training pool: train users' examples after contribution bounding.
 
 Method section 2: each train user keeps at most G examples, a uniformly
-random subset keyed by (seed, user id, example id) that never looks at the
-content. Each row's key is a function of those three alone (a keyed hash of
-the user id, mixed with the example id), so a user's choice does not depend
-on which other users are in the table: removing one user changes only that
+random subset keyed by (seed, user id, the row's rank among the user's rows
+in example-id order) that never looks at the content. Each row's key is a
+function of those alone (a keyed hash of the user id, mixed with the rank),
+so a user's choice does not depend on which other users are in the table,
+nor on the dataset-wide example numbering (which shifts when a user is
+removed): removing one user changes only that
 user's rows of the pool, for the very seed used, as the user-level DP
 argument needs (Bound(D) and Bound(D') are neighbours). The
 pool stores the kept token sequences flat (values + offsets, like an Arrow
@@ -181,15 +183,15 @@ def user_hashes(user_ids: Sequence[str], seed: int) -> np.ndarray:
     return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
 
 
-def row_keys(user_hash: np.ndarray, example_ids: np.ndarray) -> np.ndarray:
-    """Uniform 64-bit key of each row from its user's hash and its example id.
+def row_keys(user_hash: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Uniform 64-bit key of each row from its user's hash and its position among the user's rows.
 
-    key = mix(h_u + mix(example_id)): for a fixed user it is a bijection of
-    the example id, so a user's rows never tie, and it depends on nothing but
-    (seed, user id, example id).
+    key = mix(h_u + mix(position)): for a fixed user it is a bijection of the
+    position, so a user's rows never tie, and it depends on nothing but
+    (seed, user id, the row's rank in the user's example-id order).
     """
     with np.errstate(over="ignore"):
-        return _mix64(user_hash + _mix64(example_ids.astype(np.int64).view(np.uint64)))
+        return _mix64(user_hash + _mix64(positions.astype(np.int64).view(np.uint64)))
 
 
 def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, user_hash: np.ndarray, group_size: int,
@@ -197,7 +199,7 @@ def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, user_ha
     """The bounded subset, from ids alone, given the canonical order (`_canonical_order`).
 
     `user_hash[u]` is `user_hashes` of the u-th sorted user id. Each row gets
-    the key `row_keys(user_hash[user], example id)` and each user keeps its G
+    the key `row_keys(user_hash[user], rank of the row within its user)` and each user keeps its G
     smallest keys (ties by position: a stable sort; keys of one user never
     tie). As a row's key is a function of (seed, user id, example id) alone,
     the choice is the same whatever other users or row order the table has,
@@ -216,10 +218,14 @@ def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, user_ha
         b = min(b, n_users)
         lo, hi = int(starts[a]), int(starts[b])
         local_users = users[lo:hi]
-        keys = row_keys(user_hash[local_users], ex_sorted[lo:hi])
-        by_key = np.lexsort((keys, local_users))  # within user by key; users stay in order
         sizes = np.diff(starts[a:b + 1])
-        rank = np.arange(hi - lo) - np.repeat(starts[a:b] - lo, sizes)
+        rank = np.arange(hi - lo) - np.repeat(starts[a:b] - lo, sizes)  # position of each row within its user
+        # Key on the row's position among its user's rows (in example-id order),
+        # not on the example id itself: prepare numbers examples contiguously
+        # over the whole dataset, so removing a user shifts every later user's
+        # ids, but never the order of a user's own rows.
+        keys = row_keys(user_hash[local_users], rank)
+        by_key = np.lexsort((keys, local_users))  # within user by key; users stay in order
         keep = by_key[rank < group_size]
         keep.sort()
         keep_parts.append(keep + lo)
@@ -256,10 +262,11 @@ def _pool(user_ids: list[str], choice: _Choice, values: np.ndarray, offsets: np.
 def build_pool(train: pa.Table, group_size: int, seed: int) -> TrainingPool:
     """Bound each user to at most `group_size` examples, chosen uniformly at random.
 
-    The choice depends only on (seed, user_id, example_id), never on the text,
-    the row order or the other users: each row gets a uniform key that is a
-    function of those three (`row_keys`) and each user keeps its G smallest
-    keys (a uniformly random G-subset).
+    The choice depends only on the seed, the user id and the order of the
+    user's own example ids, never on the text, the row order in the file, the
+    other users or the dataset-wide numbering: each row gets a uniform key from
+    those (`row_keys`) and each user keeps its G smallest keys (a uniformly
+    random G-subset).
     """
     if group_size < 1:
         raise DataError(f"group size G must be >= 1, got {group_size}")
