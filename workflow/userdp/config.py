@@ -15,6 +15,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import jsonschema
@@ -123,6 +124,19 @@ def validate_config(config: dict, source: str = "config") -> dict:
     _resolve_public_dataset(config)
     sort_keys_in_place(config)
     return config
+
+
+def sorted_dict(value: Any) -> Any:
+    """A copy of `value` with every mapping's keys in sorted order (recursively).
+
+    For rule params built from the config: Snakemake records a param as its
+    repr, so the record must depend on content only (see sort_keys_in_place).
+    """
+    if isinstance(value, Mapping):
+        return {str(k): sorted_dict(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return [sorted_dict(v) for v in value]
+    return value
 
 
 def sort_keys_in_place(obj: Any) -> None:

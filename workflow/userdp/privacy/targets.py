@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
+
+from ..config import sorted_dict
 
 
 def counts_from_tokens(config: dict) -> bool:
@@ -16,20 +17,6 @@ def counts_from_tokens(config: dict) -> bool:
 def stats_private(config: dict) -> bool:
     """Whether privacy.contribution_stats.private is on."""
     return bool((config["privacy"].get("contribution_stats") or {}).get("private", False))
-
-
-def sorted_dict(value: Any) -> Any:
-    """`value` with every mapping's keys in sorted order (recursively).
-
-    Snakemake records a param as its repr, so a dict whose keys come in a
-    different order (another config file, a merged --configfile) would look
-    changed and rerun the rule; sorting makes the record depend on content only.
-    """
-    if isinstance(value, Mapping):
-        return {str(k): sorted_dict(value[k]) for k in sorted(value, key=str)}
-    if isinstance(value, (list, tuple)):
-        return [sorted_dict(v) for v in value]
-    return value
 
 
 def _group_rule(config: dict, method: str) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import fmt_num, iter_cells
-from ..privacy.targets import sorted_dict
+from ..config import sorted_dict
 
 PRETRAINED = "results/model/pretrained"
 PRETRAINED_FILES = (f"{PRETRAINED}/model.safetensors", f"{PRETRAINED}/config.json")
