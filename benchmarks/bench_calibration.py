@@ -25,13 +25,13 @@ import time
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
-from userdp.privacy import accounting
+from userdp.privacy import accounting, mechanism
 from userdp.privacy.calibration import calibrate
 
 
 def naive_sigma(eps: float, delta: float, q: float, T: int, G: int, rtol: float) -> float:
     def make_event(sigma: float):
-        return accounting.els_event(sigma, q, T, G)
+        return mechanism.ELS(q, T, G).dp_event(sigma)
 
     def make_accountant():
         return pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
@@ -69,9 +69,9 @@ def main() -> None:
     tot_naive = tot_ours = 0.0
     for q, T in settings:
         for G in groups:
-            accounting._composed_pld.cache_clear()
+            accounting._composed_step_pld.cache_clear()
             t0 = time.perf_counter()
-            ours = calibrate("els", args.epsilon, args.delta, q, T, G)
+            ours = calibrate(mechanism.ELS(q, T, G), args.epsilon, args.delta)
             t_ours = time.perf_counter() - t0
             t0 = time.perf_counter()
             naive = naive_sigma(args.epsilon, args.delta, q, T, G, 1e-3)

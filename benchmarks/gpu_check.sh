@@ -2,7 +2,7 @@
 # GPU check: DP step-cost benchmark and a short real ELS/ULS fine-tuning, on one GPU, in bf16.
 #
 # Not a test: never run by pytest or CI (CI has no GPU). A session that is lent
-# the device machine (an H200; /work/.library/device/README.md) runs it ONCE:
+# a GPU machine (e.g. an H200) runs it ONCE:
 #
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=500)
 #

@@ -108,7 +108,9 @@ def make_plan(method: str, pool: Any, expected: float, steps: int, epsilon: floa
     sigma, eps_ach, acct, seconds = 0.0, math.inf, None, 0.0
     if private and calibrate is not None:
         t0 = time.perf_counter()
-        cal = calibrate(mech, epsilon, delta, q, steps, pool.group_size)
+        from userdp.privacy import mechanism
+
+        cal = calibrate(mechanism.get(mech)(q, steps, pool.group_size), epsilon, delta)
         seconds = time.perf_counter() - t0
         sigma, eps_ach, acct = cal.noise_multiplier, cal.epsilon_achieved, cal.accountant
     elif private:
@@ -149,6 +151,7 @@ def run_one(method: str, args: argparse.Namespace, train: pa.Table, calibrate: C
     from userdp.training import engine
     from userdp.training.models import build_model
     from userdp.training.pool import build_pool
+    from userdp.training.settings import TrainSettings
 
     n_layer, n_embd, n_head, vocab, seq, batch, expected_ex, _ = SIZES[args.size]
     batch = args.physical_batch or batch
@@ -160,7 +163,7 @@ def run_one(method: str, args: argparse.Namespace, train: pa.Table, calibrate: C
     # userdp.privacy.planner.default_delta (1 / N^1.1), inlined: the planner imports dp-accounting
     delta = 1.0 / float(n_train_users) ** 1.1
     plan, cal_s = make_plan(method, pool, expected, args.steps, args.epsilon, delta, calibrate, args.fixed_sigma)
-    settings = engine.TrainSettings(
+    settings = TrainSettings(
         learning_rate=1e-4, optimizer="adam", schedule="constant", warmup_steps=0, physical_batch_size=batch,
         sequence_length=seq, checkpoint_every=10**9, device=args.device,
         precision="bf16" if args.bf16 else "fp32", log_every_s=5.0,

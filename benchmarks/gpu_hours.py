@@ -31,7 +31,8 @@ import json
 import math
 from collections import defaultdict
 
-from userdp.config import iter_cells, load_config
+from userdp.config import load_config
+from userdp.layout import iter_cells
 
 
 def flops_per_example(n_params: float, n_layer: int, n_embd: int, seq: int, backward: bool = True) -> float:

@@ -2,7 +2,7 @@
 
 The reference runs one backward per unit (example or user), each row alone
 and trimmed to its own length, then clips and sums by hand: exactly the
-definition in method.md sections 3-4, with no shared code path with
+definition in docs/method.md sections 3-4, with no shared code path with
 `userdp.training.clipping` except the row-loss formula (which is checked
 separately against a hand-written loop).
 """

@@ -1,4 +1,4 @@
-"""Invariant 4 (method.md section 10): clipped per-example (ELS) and per-user (ULS)
+"""Invariant 4 (docs/method.md section 10): clipped per-example (ELS) and per-user (ULS)
 sums equal a brute-force reference (one backward per unit), on GPT-2 and Llama,
 tied and untied embeddings, with GPT-2's broadcast position ids, right padding
 of varying lengths, padding rows, and every norm formula."""

@@ -12,14 +12,14 @@ import pytest
 from userdp.data.base import PUBLIC_SCHEMA, RAW_SCHEMA
 from userdp.data.prepare import (
     clean_text,
-    has_public_part,
     hash_split,
-    hash_unit,
     prepare_dataset,
     write_public,
 )
+from userdp.data.sources import has_public_part
 from userdp.data.synthetic import SyntheticSource
 from userdp.errors import DataError
+from userdp.seeding import hash_unit
 
 OUTPUTS = ("examples.parquet", "users.parquet", "contributions.json")
 

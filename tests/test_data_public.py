@@ -20,8 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from builders import build_fortune_file, build_local
-from userdp.data.base import PUBLIC_SCHEMA, open_source
-from userdp.data.prepare import has_public_part, write_public
+from userdp.data.base import PUBLIC_SCHEMA
+from userdp.data.sources import open_source
+from userdp.data.prepare import write_public
+from userdp.data.sources import has_public_part
 from userdp.data.public import PublicCorpus, WithPublicCorpus
 from userdp.data.tokenize import public_dataset_name
 from userdp.errors import ConfigError, DataError

@@ -2,7 +2,7 @@
 
 Runs `snakemake` (the default target `all`) in a temporary directory with
 tests/configs/tiny.yaml, then checks every artifact of the contract
-(shared reference artifacts.md) for its fields, builds the HTML report, and
+(docs/artifacts.md) for its fields, builds the HTML report, and
 checks that a second invocation has nothing to do. It also checks one
 scientific outcome that must hold even at this size: non-private fine-tuning
 lowers the test loss of the pretrained model.

@@ -5,8 +5,10 @@ import math
 import pandas as pd
 import pytest
 
-from userdp.config import fmt_num, iter_cells, validate_config
+from userdp.config import validate_config
+from userdp.layout import fmt_num, iter_cells
 from userdp.evaluation.aggregate import build_summary, flatten, summary_frame, write_summary
+from userdp.evaluation.targets import summary_inputs
 from userdp.io import write_json
 
 
@@ -41,10 +43,15 @@ def build_cells(root, cfg):
         pd.DataFrame({"step": range(1, 6), "loss": [5, 4, 3, 2, 1.0]}).to_parquet(run / "train_log.parquet")
 
 
+def _inputs(root, cfg):
+    """Rule aggregate's inputs for dataset toy, below `root`."""
+    return {k: [str(root / p) for p in paths] for k, paths in summary_inputs(cfg, "toy").items()}
+
+
 def test_build_summary_one_row_per_cell(tmp_path):
     cfg = small_config()
     build_cells(tmp_path, cfg)
-    summary, curves = build_summary(cfg, "toy", root=tmp_path)
+    summary, curves = build_summary(cfg, _inputs(tmp_path, cfg))
     cells = list(iter_cells(cfg))
     assert len(summary) == len(cells) == 2 * 3 + 2  # (els, uls) x (1, 4, inf) + 2 sweep cells
     assert summary["is_group_sweep"].sum() == 2
@@ -86,4 +93,4 @@ def test_missing_cell_file_names_it(tmp_path):
     from userdp.errors import DataError
 
     with pytest.raises(DataError, match="plan"):
-        build_summary(cfg, "toy", root=tmp_path)
+        build_summary(cfg, _inputs(tmp_path, cfg))

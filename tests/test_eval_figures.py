@@ -91,3 +91,57 @@ def test_mean_over_seeds():
     one = s[(s.method == "els") & (s.epsilon == 1) & (s.budget == 8000) & ~s.is_group_sweep]
     row = st[(st.method == "els") & (st.epsilon == 1) & (st.budget == 8000)].iloc[0]
     assert row["mean"] == pytest.approx(one.test_loss.mean())
+
+
+# ---------------------------------------------------------------- the figure registry
+
+from pathlib import Path  # noqa: E402
+
+from userdp.config import validate_config  # noqa: E402
+from userdp.plotting import registry  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_registered_figure_has_a_caption_a_function_and_its_own_rule():
+    assert len({f.rule for f in registry.FIGURES.values()}) == len(registry.FIGURES)
+    for fig in registry.FIGURES.values():
+        assert (REPO / fig.caption).is_file(), fig.caption
+        assert callable(fig.plot_function()), fig.function
+        assert registry.figure_of_rule(fig.rule) is fig
+    # Every caption file of a figure is registered (the front page is the workflow's).
+    captions = {p.stem for p in (REPO / registry.CAPTION_DIR).glob("*.rst")} - {"workflow"}
+    assert captions == set(registry.FIGURES)
+
+
+def test_figure_targets_and_paths():
+    c = validate_config({
+        "datasets": {"a": {"source": "synthetic"}, "b": {"source": "synthetic"}},
+        "grid": {"datasets": ["a"], "epsilons": [0.5, 8], "budgets": [{"compute": 100, "steps": 5}]},
+    })
+    out = registry.figure_targets(c)
+    stems = {"contributions_a", "contributions_b", "noise_vs_group_size", "lm_loss_vs_epsilon_a",
+             "lm_loss_vs_budget_a", "lm_loss_vs_group_size_a", "training_curves_a", "mean_estimation_vs_epsilon",
+             "mean_estimation_vs_diversity", "mean_estimation_vs_budget", "mean_estimation_vs_group_size"}
+    assert sorted(out) == sorted(f"results/figures/{s}.{e}" for s in stems for e in ("png", "pdf"))
+    assert registry.figure_targets(c, family="lm") == [p for p in out if "lm_" in p or "training_curves" in p]
+    fig = registry.FIGURES["lm_loss_vs_group_size"]
+    assert fig.path("png") == "results/figures/lm_loss_vs_group_size_{dataset}.png"
+    assert fig.log == "results/logs/figures/lm_loss_vs_group_size_{dataset}.log"
+    assert fig.plot_params(c) == {"epsilon": 0.5, "budget": 100}
+    assert fig.report_labels("pdf") == {"figure": "test loss vs group size G", "format": "PDF"}
+    assert registry.FIGURES["noise_vs_group_size"].path("pdf") == "results/figures/noise_vs_group_size.pdf"
+    with pytest.raises(ValueError, match="unknown figure family"):
+        registry.figure_targets(c, family="nope")
+    with pytest.raises(ValueError, match="draws no registered figure"):
+        registry.figure_of_rule("plot_nope")
+
+
+def test_registered_lm_figure_draws_from_its_inputs(tmp_path):
+    summary, pre = tmp_path / "metrics.parquet", tmp_path / "pretrained.json"
+    fake_summary().to_parquet(summary)
+    pre.write_text('{"test_loss": 4.9}')
+    png, pdf = tmp_path / "e.png", tmp_path / "e.pdf"
+    registry.FIGURES["lm_loss_vs_epsilon"].draw({"summary": str(summary), "pretrained": str(pre)}, png, pdf,
+                                                 dataset="synth")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and pdf.read_bytes()[:4] == b"%PDF"

@@ -7,7 +7,7 @@ import pytest
 
 from userdp.evaluation.select import choose_learning_rate, pretrained_metrics, select, select_cell
 from userdp.io import read_json, write_json
-from userdp.privacy.accounting import compute_epsilon
+from privacy_helpers import epsilon_of
 from userdp.errors import DataError
 
 
@@ -53,7 +53,7 @@ def test_select_cell_writes_metrics_and_copies_the_chosen_run(tmp_path):
     assert led["which"] == 0.01 and led["learning_rates_tried"] == 2
     # two independent runs composed: 2T steps of the mechanism
     assert led["epsilon_including_lr_selection"] == pytest.approx(
-        compute_epsilon("uls", MECH["noise_multiplier"], MECH["sampling_rate"], 2 * MECH["steps_completed"],
+        epsilon_of("uls", MECH["noise_multiplier"], MECH["sampling_rate"], 2 * MECH["steps_completed"],
                         MECH["delta"]), rel=1e-9)
     assert led["epsilon_including_lr_selection"] > 1.2 * led["epsilon"]
     assert pd.read_parquet(tmp_path / "train_log.parquet")["loss"].tolist() == [0.01, 0.01]
@@ -68,7 +68,7 @@ def test_pretrained_metrics_have_the_same_fields_with_null_learning_rate():
 
 MECH = {"method": "uls", "sampling_rate": 0.05, "noise_multiplier": 1.1, "clip_norm": 1.0, "group_size": 4,
         "delta": 1e-5, "steps_completed": 100}
-MECH["epsilon"] = compute_epsilon("uls", 1.1, 0.05, 100, 1e-5)
+MECH["epsilon"] = epsilon_of("uls", 1.1, 0.05, 100, 1e-5)
 
 
 def test_selection_epsilon_one_rate_nonprivate_and_mismatch(tmp_path):

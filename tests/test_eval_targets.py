@@ -2,8 +2,11 @@
 
 import re
 
-from userdp.config import fmt_num, iter_cells, validate_config
+from userdp import layout
+from userdp.config import validate_config
+from userdp.layout import fmt_num, iter_cells
 from userdp.evaluation import targets
+from userdp.plotting.registry import figure_targets
 
 
 def cfg():
@@ -17,7 +20,7 @@ def cfg():
 
 def test_evaluation_targets_cover_every_cell_and_figure():
     c = cfg()
-    out = targets.evaluation_targets(c)
+    out = targets.evaluation_targets(c) + figure_targets(c, family="lm")
     cells = list(iter_cells(c))
     assert len(cells) == 2 * 3 + 2 * 2
     assert all(f"{cell.run_dir}/metrics.json" in out for cell in cells)
@@ -29,8 +32,8 @@ def test_evaluation_targets_cover_every_cell_and_figure():
 
 def test_cell_and_lr_patterns_match_every_run_folder():
     c = cfg()
-    cell_re = re.compile(targets.CELL_REGEX)
-    lr_re = re.compile(targets.LR_REGEX)
+    cell_re = re.compile(layout.CELL_RE)
+    lr_re = re.compile(layout.LR_RE)
     for cell in iter_cells(c):
         rel = cell.run_dir.split("results/runs/a/", 1)[1]
         assert cell_re.fullmatch(rel), rel

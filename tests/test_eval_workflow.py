@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from eval_builders import tiny_gpt2, tokens_table
-from userdp.config import fmt_num, iter_cells, validate_config
+from userdp.config import validate_config
+from userdp.layout import fmt_num, iter_cells
 from userdp.io import read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]

@@ -153,7 +153,7 @@ def test_local_lzma_checksum_mismatch(tmp_path):
 
 
 def test_registered_and_opened_through_open_source(tmp_path):
-    from userdp.data.base import open_source
+    from userdp.data.sources import open_source
 
     db = build_tff_sqlite(tmp_path / "so.sqlite")
     src = open_source("so", {"source": "stackoverflow", "path": str(db)}, tmp_path / "data")

@@ -12,6 +12,8 @@ from dp_accounting.pld import pld_privacy_accountant
 from userdp.errors import PrivacyError
 from userdp.privacy import accounting as A
 
+from privacy_helpers import epsilon_of
+
 
 def reference_epsilon(event, delta, d):
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=d)
@@ -39,20 +41,20 @@ def poisson_event(sigma, q, T):
 )
 def test_els_matches_dp_accounting_mixture_event(sigma, q, T, G):
     d = 1e-3  # the reference is slow at 1e-4; the code path is the same
-    ours = A.compute_epsilon("els", sigma, q, T, 1e-6, G, discretization=d)
+    ours = epsilon_of("els", sigma, q, T, 1e-6, G, discretization=d)
     ref = reference_epsilon(mog_event(sigma, q, T, G), 1e-6, d)
     assert ours == pytest.approx(ref, rel=1e-6)
 
 
 def test_els_matches_at_fine_discretization():
-    ours = A.compute_epsilon("els", 3.0, 0.01, 100, 1e-5, 8)
+    ours = epsilon_of("els", 3.0, 0.01, 100, 1e-5, 8)
     ref = reference_epsilon(mog_event(3.0, 0.01, 100, 8), 1e-5, 1e-4)
     assert ours == pytest.approx(ref, rel=1e-7)
 
 
 @pytest.mark.parametrize("sigma,q,T", [(0.7, 0.01, 100), (1.2, 0.1, 30), (3.0, 0.5, 10)])
 def test_uls_matches_poisson_event(sigma, q, T):
-    ours = A.compute_epsilon("uls", sigma, q, T, 1e-6, discretization=1e-3)
+    ours = epsilon_of("uls", sigma, q, T, 1e-6, discretization=1e-3)
     ref = reference_epsilon(poisson_event(sigma, q, T), 1e-6, 1e-3)
     assert ours == pytest.approx(ref, rel=1e-6)
 
@@ -63,26 +65,26 @@ def test_els_with_one_example_per_user_is_the_poisson_subsampled_gaussian(sigma,
     mog = reference_epsilon(mog_event(sigma, q, T, 1), 1e-6, 1e-3)
     pois = reference_epsilon(poisson_event(sigma, q, T), 1e-6, 1e-3)
     assert mog == pytest.approx(pois, rel=1e-6)
-    assert A.compute_epsilon("els", sigma, q, T, 1e-6, 1, discretization=1e-3) == pytest.approx(pois, rel=1e-6)
+    assert epsilon_of("els", sigma, q, T, 1e-6, 1, discretization=1e-3) == pytest.approx(pois, rel=1e-6)
 
 
 def test_group_privacy_conversion_formula():
     # Against a direct scan of the example-level curve.
     sigma, q, T, G, delta = 3.0, 0.01, 100, 4, 1e-6
     d = 1e-3
-    pld = A._composed_pld("poisson", sigma, q, T, 1, d)
+    pld = A._composed_step_pld(("poisson", sigma, q), T, d)
     grid = np.linspace(0.01, 5, 5000)
     feasible = [e for e in grid if G * math.exp((G - 1) * e) * pld.get_delta_for_epsilon(e) <= delta]
     expected = G * min(feasible)
-    got = A.compute_epsilon("group", sigma, q, T, delta, G, discretization=d)
+    got = epsilon_of("group", sigma, q, T, delta, G, discretization=d)
     assert got <= expected + 1e-9
     assert got == pytest.approx(expected, abs=G * (grid[1] - grid[0]))
 
 
 @pytest.mark.parametrize("sigma,q,T,G", [(2.0, 0.01, 100, 2), (5.0, 0.02, 50, 8), (1.0, 0.05, 20, 4)])
 def test_tight_accountant_never_looser_than_group_privacy(sigma, q, T, G):
-    tight = A.compute_epsilon("els", sigma, q, T, 1e-6, G, discretization=1e-3)
-    group = A.compute_epsilon("group", sigma, q, T, 1e-6, G, discretization=1e-3)
+    tight = epsilon_of("els", sigma, q, T, 1e-6, G, discretization=1e-3)
+    group = epsilon_of("group", sigma, q, T, 1e-6, G, discretization=1e-3)
     assert tight <= group
     assert tight < group * 0.999  # strictly better for G > 1
 
@@ -91,7 +93,7 @@ def test_epsilon_increases_with_q_T_G_and_decreases_with_sigma():
     base = dict(sigma=2.0, q=0.01, T=100, G=4)
 
     def eps(sigma, q, T, G):
-        return A.compute_epsilon("els", sigma, q, T, 1e-6, G, discretization=1e-3)
+        return epsilon_of("els", sigma, q, T, 1e-6, G, discretization=1e-3)
 
     e0 = eps(**base)
     for key, values in {"q": [0.005, 0.01, 0.02, 0.05], "T": [25, 50, 100, 200], "G": [1, 2, 4, 8]}.items():
@@ -100,14 +102,14 @@ def test_epsilon_increases_with_q_T_G_and_decreases_with_sigma():
         assert e0 in seq
     seq = [eps(**{**base, "sigma": s}) for s in [1.0, 1.5, 2.0, 3.0, 6.0]]
     assert all(a > b for a, b in zip(seq, seq[1:])), seq
-    useq = [A.compute_epsilon("uls", s, 0.01, 100, 1e-6, discretization=1e-3) for s in [0.8, 1.0, 2.0]]
+    useq = [epsilon_of("uls", s, 0.01, 100, 1e-6, discretization=1e-3) for s in [0.8, 1.0, 2.0]]
     assert all(a > b for a, b in zip(useq, useq[1:]))
 
 
 def test_degenerate_cases():
-    assert A.compute_epsilon("els", 0.0, 0.01, 10, 1e-6, 4) == math.inf
-    assert A.compute_epsilon("uls", 0.0, 0.01, 10, 1e-6) == math.inf
-    assert A.compute_epsilon("els", 1.0, 0.01, 0, 1e-6, 4) == 0.0
+    assert epsilon_of("els", 0.0, 0.01, 10, 1e-6, 4) == math.inf
+    assert epsilon_of("uls", 0.0, 0.01, 10, 1e-6) == math.inf
+    assert epsilon_of("els", 1.0, 0.01, 0, 1e-6, 4) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -126,7 +128,7 @@ def test_invalid_arguments_raise_privacy_error(kwargs, needle):
     args = dict(method="els", noise_multiplier=1.0, sampling_rate=0.01, steps=10, delta=1e-6, group_size=2)
     args.update(kwargs)
     with pytest.raises(PrivacyError, match=needle):
-        A.compute_epsilon(**args)
+        epsilon_of(**args)
 
 
 def test_pruned_sensitivities_only_move_mass_up():

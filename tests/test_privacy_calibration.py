@@ -6,7 +6,9 @@ import pytest
 
 from userdp.errors import PrivacyError
 from userdp.privacy import accounting as A
-from userdp.privacy.calibration import calibrate, initial_guess
+from userdp.privacy.calibration import initial_guess
+
+from privacy_helpers import calibrate_method, epsilon_of, mech
 
 
 @pytest.mark.parametrize(
@@ -15,29 +17,29 @@ from userdp.privacy.calibration import calibrate, initial_guess
 )
 def test_calibrated_sigma_meets_target_and_is_tight(method, eps, q, T, G):
     delta = 1e-6
-    r = calibrate(method, eps, delta, q, T, G)
+    r = calibrate_method(method, eps, delta, q, T, G)
     # Recomputed independently at the fine discretization.
-    achieved = A.compute_epsilon(method, r.noise_multiplier, q, T, delta, G)
+    achieved = epsilon_of(method, r.noise_multiplier, q, T, delta, G)
     assert achieved <= eps
     assert achieved == pytest.approx(r.epsilon_achieved, rel=1e-12)
-    assert A.compute_epsilon(method, r.noise_multiplier * (1 - 2e-3), q, T, delta, G) > eps
+    assert epsilon_of(method, r.noise_multiplier * (1 - 2e-3), q, T, delta, G) > eps
     assert r.noise_lower < r.noise_multiplier <= r.noise_lower * (1 + 1e-3) * (1 + 1e-12)
 
 
 def test_tight_els_needs_less_noise_than_group_privacy():
-    tight = calibrate("els", 4.0, 1e-6, 0.01, 100, 8).noise_multiplier
-    group = calibrate("group", 4.0, 1e-6, 0.01, 100, 8).noise_multiplier
+    tight = calibrate_method("els", 4.0, 1e-6, 0.01, 100, 8).noise_multiplier
+    group = calibrate_method("group", 4.0, 1e-6, 0.01, 100, 8).noise_multiplier
     assert tight < group
 
 
 def test_infinite_epsilon_means_no_noise():
-    r = calibrate("els", math.inf, 1e-6, 0.01, 100, 4)
+    r = calibrate_method("els", math.inf, 1e-6, 0.01, 100, 4)
     assert r.noise_multiplier == 0.0 and r.epsilon_achieved == math.inf
 
 
 def test_infeasible_target_names_the_cell_and_the_reason():
     with pytest.raises(PrivacyError) as err:
-        calibrate("els", 0.05, 1e-6, 1.0, 10, 4, max_noise_multiplier=5, cell="cell dataset=x method=els eps=0.05 budget=9")
+        calibrate_method("els", 0.05, 1e-6, 1.0, 10, 4, max_noise_multiplier=5, cell="cell dataset=x method=els eps=0.05 budget=9")
     msg = str(err.value)
     assert "cell dataset=x method=els eps=0.05 budget=9" in msg
     assert "max_noise_multiplier = 5" in msg and "more steps" in msg
@@ -48,10 +50,10 @@ def test_invalid_arguments(bad):
     args = dict(method="els", epsilon=1.0, delta=1e-6, sampling_rate=0.01, steps=10, group_size=2)
     args.update(bad)
     with pytest.raises(PrivacyError):
-        calibrate(**args)
+        calibrate_method(**args)
 
 
 def test_initial_guess_is_in_the_right_range():
-    r = calibrate("els", 2.0, 1e-6, 0.01, 200, 4)
-    g = initial_guess("els", 2.0, 1e-6, 0.01, 200, 4)
+    r = calibrate_method("els", 2.0, 1e-6, 0.01, 200, 4)
+    g = initial_guess(mech("els", 0.01, 200, 4), 2.0, 1e-6)
     assert 0.5 < g / r.noise_multiplier < 2.0

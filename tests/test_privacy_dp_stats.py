@@ -14,10 +14,12 @@ import pytest
 from userdp.errors import PrivacyError
 from userdp.privacy import accounting as A
 from userdp.privacy import contribution_stats as CS
-from userdp.privacy.calibration import calibrate
-from userdp.privacy.group_size import median_group_size, snr_group_size
+from userdp.privacy.contributions import ExactCounts
+from userdp.privacy.group_size import snr_group_size
 from userdp.privacy.planner import plan_cell
 from userdp.training.ledger import build_ledger
+
+from privacy_helpers import calibrate_method, epsilon_of, mech
 
 PRIVACY = {
     "delta": None, "delta_exponent": 1.1, "clip_norm": 1.0, "clipping": "flat", "max_noise_multiplier": 500,
@@ -83,13 +85,24 @@ def pow2_counts():
     return 2 ** rng.choice(7, size=2001, p=[0.2, 0.25, 0.2, 0.15, 0.1, 0.06, 0.04])  # odd N: one median
 
 
+class _UncostedHistogram(CS.NoisyHistogram):
+    """The same histogram with its release's cost left out, to compare the rules alone with the exact ones.
+
+    (At eps_stats = 1e4 the Laplace release's PLD alone would need gigabytes, and the SNR rule composes
+    `dp_events` into every candidate's sigma.)
+    """
+
+    dp_events = ()
+
+
 def test_rules_with_large_eps_stats_recover_the_exact_rules(pow2_counts):
-    hist = noisy(pow2_counts, eps=1e4)
-    assert hist.median_group_size() == median_group_size(pow2_counts)
+    h = noisy(pow2_counts, eps=1e4)
+    hist = _UncostedHistogram(h.lower_edges, h.weights, h.epsilon, h.file)
+    assert hist.median_group_size() == ExactCounts(pow2_counts).median_group_size()
     assert hist.mean_bounded(8) == pytest.approx(np.minimum(pow2_counts, 8).mean(), rel=1e-12)
     K, T, eps, delta = 20000, 20, 1.0, 1e-6
-    exact = snr_group_size(pow2_counts, K, T, eps, delta, noise_ratio=4.0)
-    private = snr_group_size(pow2_counts, K, T, eps, delta, noise_ratio=4.0, histogram=hist)
+    exact = snr_group_size(ExactCounts(pow2_counts), len(pow2_counts), K, T, eps, delta, noise_ratio=4.0)
+    private = snr_group_size(hist, len(pow2_counts), K, T, eps, delta, noise_ratio=4.0)
     assert [r["group_size"] for r in private.table] == [r["group_size"] for r in exact.table]
     assert all(r["snr"] is not None for r in exact.table)
     for a, b in zip(private.table, exact.table):
@@ -108,7 +121,7 @@ def test_bins_below_g_are_read_at_their_lower_edge():
 
 def test_empty_noisy_histogram_falls_back_to_one():
     hist = CS.NoisyHistogram(np.array([1, 2, 4]), np.zeros(3), 0.1)
-    assert hist.median_group_size() == 1 and hist.snr_candidates(0.99) == [1] and hist.mean_bounded(4) == 1
+    assert hist.median_group_size() == 1 and hist.group_size_candidates(0.99) == [1] and hist.mean_bounded(4) == 1
 
 
 # ---------------------------------------------------------------- accounting and calibration
@@ -118,10 +131,10 @@ def test_empty_noisy_histogram_falls_back_to_one():
 def test_composition_is_dp_accountings_and_costs_epsilon(method, G):
     sigma, q, T, delta, d = 1.2, 0.02, 100, 1e-6, 1e-3
     lap = CS.laplace_event(0.3)
-    alone = A.compute_epsilon(method, sigma, q, T, delta, G, discretization=d)
-    total = A.compute_epsilon(method, sigma, q, T, delta, G, discretization=d, extra_events=[lap])
+    alone = epsilon_of(method, sigma, q, T, delta, G, discretization=d)
+    total = epsilon_of(method, sigma, q, T, delta, G, discretization=d, extra_events=[lap])
     acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=d)
-    acc.compose(A.total_event(method, sigma, q, T, G, [lap]))
+    acc.compose(dp_accounting.ComposedDpEvent([lap, mech(method, q, T, G).dp_event(sigma)]))
     assert total == pytest.approx(acc.get_epsilon(delta), rel=1e-6)
     assert alone < total <= alone + 0.3 + 1e-3
     # The Laplace event alone: 0.3-DP, so its epsilon at delta is at most 0.3.
@@ -132,18 +145,18 @@ def test_composition_is_dp_accountings_and_costs_epsilon(method, G):
 def test_calibration_targets_the_total(method, G):
     q, T, delta, eps = 0.02, 100, 1e-6, 2.0
     lap = CS.laplace_event(0.3)
-    base = calibrate(method, eps, delta, q, T, G)
-    with_stats = calibrate(method, eps, delta, q, T, G, extra_events=[lap])
+    base = calibrate_method(method, eps, delta, q, T, G)
+    with_stats = calibrate_method(method, eps, delta, q, T, G, extra_events=[lap])
     assert with_stats.noise_multiplier > base.noise_multiplier * 1.01
     s = with_stats.noise_multiplier
-    assert A.compute_epsilon(method, s, q, T, delta, G, extra_events=[lap]) == pytest.approx(with_stats.epsilon_achieved)
+    assert epsilon_of(method, s, q, T, delta, G, extra_events=[lap]) == pytest.approx(with_stats.epsilon_achieved)
     assert with_stats.epsilon_achieved <= eps
-    assert A.compute_epsilon(method, s / (1 + 2e-3), q, T, delta, G, extra_events=[lap]) > eps
+    assert epsilon_of(method, s / (1 + 2e-3), q, T, delta, G, extra_events=[lap]) > eps
 
 
 def test_fixed_events_that_spend_the_target_fail():
     with pytest.raises(PrivacyError, match="already spend"):
-        calibrate("uls", 0.5, 1e-6, 0.02, 100, extra_events=[CS.laplace_event(1.0)], cell="cell X")
+        calibrate_method("uls", 0.5, 1e-6, 0.02, 100, extra_events=[CS.laplace_event(1.0)], cell="cell X")
 
 
 # ---------------------------------------------------------------- plans and ledgers
@@ -175,7 +188,7 @@ def test_plan_and_ledger_compose_the_release(counts, method):
     assert ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9)
     assert ledger["contribution_stats"]["epsilon"] == 0.2
     sigma_lo = plan["noise_multiplier"] / (1 + 2e-3)
-    assert A.compute_epsilon(method, sigma_lo, plan["sampling_rate"], T, plan["delta"], plan["group_size"],
+    assert epsilon_of(method, sigma_lo, plan["sampling_rate"], T, plan["delta"], plan["group_size"],
                              extra_events=[hist.dp_event()]) > eps
     # A run stopped before any step has still spent the release.
     assert ledger_of(plan, 0)["epsilon"] == pytest.approx(A.fixed_events_epsilon([hist.dp_event()], plan["delta"]))

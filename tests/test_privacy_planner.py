@@ -7,7 +7,10 @@ import pytest
 
 from userdp.errors import ConfigError, PrivacyError
 from userdp.privacy import accounting as A
-from userdp.privacy.group_size import bounded_stats, clipping_survival, median_group_size, snr_candidates, snr_group_size
+from userdp.privacy.contributions import ExactCounts, clipping_survival
+from userdp.privacy.group_size import snr_group_size
+
+from privacy_helpers import epsilon_of
 from userdp.privacy.planner import default_delta, plan_cell
 
 PRIVACY = {
@@ -27,17 +30,18 @@ def counts():
 def test_expected_compute_equals_budget(counts, method):
     plan = plan_cell(dataset="d", method=method, epsilon=4.0, compute_budget=6000, steps=40, counts=counts, privacy=PRIVACY)
     assert plan["expected_compute"] == pytest.approx(6000, rel=1e-12)
-    st = bounded_stats(counts, plan["group_size"])
+    st = ExactCounts(counts)
+    G = plan["group_size"]
     if method == "els":
         assert plan["expected_batch"] == pytest.approx(6000 / 40)
-        assert plan["sampling_rate"] == pytest.approx(plan["expected_batch"] / st.n_examples)
+        assert plan["sampling_rate"] == pytest.approx(plan["expected_batch"] / st.n_bounded(G))
     else:
-        assert plan["expected_batch"] == pytest.approx(6000 / (40 * st.mean_contribution))
+        assert plan["expected_batch"] == pytest.approx(6000 / (40 * st.mean_bounded(G)))
         assert plan["sampling_rate"] == pytest.approx(plan["expected_batch"] / counts.size)
     assert plan["delta"] == pytest.approx(1 / counts.size**1.1)
-    assert plan["n_train_examples_bounded"] == st.n_examples
+    assert plan["n_train_examples_bounded"] == st.n_bounded(G)
     # The plan's sigma reaches the plan's epsilon under the plan's accountant.
-    eps = A.compute_epsilon(method, plan["noise_multiplier"], plan["sampling_rate"], 40, plan["delta"], plan["group_size"])
+    eps = epsilon_of(method, plan["noise_multiplier"], plan["sampling_rate"], 40, plan["delta"], plan["group_size"])
     assert eps <= 4.0 and eps == pytest.approx(plan["epsilon_achieved"])
     for key in ("method", "epsilon", "delta", "group_size", "sampling_rate", "steps", "expected_batch", "noise_multiplier",
                 "epsilon_achieved", "compute_budget", "accountant", "group_size_rule", "clip_norm", "clipping"):
@@ -46,7 +50,9 @@ def test_expected_compute_equals_budget(counts, method):
 
 def test_els_group_size_is_the_median(counts):
     plan = plan_cell(dataset="d", method="els", epsilon=4.0, compute_budget=6000, steps=40, counts=counts, privacy=PRIVACY)
-    assert plan["group_size"] == median_group_size(counts) == math.ceil(np.median(counts))
+    # The lower median: a count some user has (one definition for exact counts, the DP histogram and the
+    # mean-estimation study; docs/method.md section 7).
+    assert plan["group_size"] == ExactCounts(counts).median_group_size() == int(np.sort(counts)[(counts.size - 1) // 2])
 
 
 def test_nonprivate_cell(counts):
@@ -78,13 +84,12 @@ def test_sampling_rate_above_one_names_the_cell(counts):
 
 def test_snr_rule_is_the_argmax_of_its_formula(counts):
     K, T, eps, delta = 60000, 50, 2.0, default_delta(counts.size)
-    choice = snr_group_size(counts, K, T, eps, delta, noise_ratio=4.0)
-    cands = snr_candidates(counts, 0.99)
+    choice = snr_group_size(ExactCounts(counts), len(counts), K, T, eps, delta, noise_ratio=4.0)
+    cands = ExactCounts(counts).group_size_candidates(0.99)
     assert [r["group_size"] for r in choice.table] == cands
     # Recompute one row by hand.
     row = next(r for r in choice.table if r["group_size"] == 4)
-    st = bounded_stats(counts, 4)
-    M = K / (T * st.mean_contribution)
+    M = K / (T * ExactCounts(counts).mean_bounded(4))
     expected = M * clipping_survival(np.minimum(counts, 4), 4.0).mean() / row["noise_multiplier"]
     assert row["snr"] == pytest.approx(expected)
     best = max((r for r in choice.table if r["snr"] is not None), key=lambda r: r["snr"])
@@ -94,7 +99,7 @@ def test_snr_rule_is_the_argmax_of_its_formula(counts):
 def test_snr_rule_prefers_larger_groups_when_noise_dominates(counts):
     # Large budget (many users per step), small epsilon: the noise term dominates
     # and averaging more examples per user pays off.
-    choice = snr_group_size(counts, 200000, 20, 0.5, 1e-6, noise_ratio=4.0)
+    choice = snr_group_size(ExactCounts(counts), len(counts), 200000, 20, 0.5, 1e-6, noise_ratio=4.0)
     assert choice.group_size > 1
 
 

@@ -42,6 +42,7 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 validate(config, "workflow/schemas/config.schema.yaml")
 include: "workflow/rules/plan.smk"
+include: "workflow/rules/figures.smk"
 """
 
 

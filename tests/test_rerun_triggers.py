@@ -203,6 +203,7 @@ def test_physical_batch_size_does_not_change_the_trained_model(tmp_path):
 
     from userdp.training import engine
     from userdp.training.pool import build_pool
+    from userdp.training.settings import TrainSettings
 
     t = tokens_table(40, seed=3)
     pool = build_pool(t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"]), 3, seed=0)
@@ -211,8 +212,8 @@ def test_physical_batch_size_does_not_change_the_trained_model(tmp_path):
         params = []
         for pbs in (3, 64):
             model = tiny_model()
-            settings = engine.TrainSettings(learning_rate=1e-2, physical_batch_size=pbs, sequence_length=SEQ,
-                                            checkpoint_every=100, device="cpu", log_every_s=1e9)
+            settings = TrainSettings(learning_rate=1e-2, physical_batch_size=pbs, sequence_length=SEQ,
+                                     checkpoint_every=100, device="cpu", log_every_s=1e9)
             plan = plan_for(pool, method, expected=6.0, steps=3, sigma=0.5, clip=1.0)
             engine.train(model, pool, plan, settings, engine.RunPaths(tmp_path / f"{method}{pbs}"),
                          engine.run_seeds(0, 0, "tiny", method, "8", 100, 3), 0, compute_epsilon=fake_eps)

@@ -34,7 +34,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from userdp.config import iter_cells, validate_config
+from userdp.config import validate_config
+from userdp.layout import iter_cells
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -19,11 +19,12 @@ from userdp.training import engine
 from userdp.training.noise import GaussianNoise
 from userdp.training.optim import LRMultiplier
 from userdp.training.pool import build_pool
+from userdp.training.settings import TrainSettings
 
 
-def fake_epsilon(method, noise_multiplier, sampling_rate, steps, delta, group_size=1):
-    """A fast stand-in for the accountant where epsilon's value is not under test."""
-    return 1.0 + steps * sampling_rate / noise_multiplier
+def fake_epsilon(event, delta):
+    """A fast stand-in for the accountant ((event, delta) -> epsilon) where epsilon's value is not under test."""
+    return 1.0 + event.count * 1e-3 if hasattr(event, "count") else 1.0
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def settings(**kw):
     base = dict(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, checkpoint_every=2, device="cpu",
                 log_every_s=0.0)
     base.update(kw)
-    return engine.TrainSettings(**base)
+    return TrainSettings(**base)
 
 
 def seeds(method="els"):
@@ -205,6 +206,35 @@ def test_checkpoint_of_another_base_model_or_pool_is_ignored(tmp_path, pool):
     assert out.ledger["resumed_at_steps"] == [2]
 
 
+def test_checkpoint_of_another_device_is_ignored(tmp_path, pool):
+    """A checkpoint holds its device's noise-generator state: a run on another device starts afresh."""
+    from userdp.training import checkpoint as ckpt
+    from userdp.training.models import resolve_device
+
+    plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
+    engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+                 gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
+    fp = {dev: engine.run_fingerprint(plan, settings(device=dev), torch.device(dev), seeds(), pool, tiny_model(),
+                                      pool.n_examples) for dev in ("cpu", "cuda")}
+    assert fp["cpu"] != fp["cuda"]
+    assert ckpt.load_checkpoint(tmp_path / "checkpoint", fp["cpu"]) is not None
+    assert ckpt.load_checkpoint(tmp_path / "checkpoint", fp["cuda"]) is None
+    # the device the run resolves counts, not the setting's text: auto on a CPU-only machine resumes
+    out = engine.train(tiny_model(), pool, plan, settings(device="auto"), engine.RunPaths(tmp_path), seeds(), 0,
+                       gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
+    assert out.ledger["resumed_at_steps"] == ([2] if resolve_device("auto").type == "cpu" else [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cpu_checkpoint_does_not_resume_on_cuda(tmp_path, pool):
+    plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
+    engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+                 gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
+    out = engine.train(tiny_model(), pool, plan, settings(device="cuda"), engine.RunPaths(tmp_path), seeds(), 0,
+                       gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
+    assert out.ledger["resumed_at_steps"] == [] and out.ledger["device"].startswith("cuda")
+
+
 def test_learning_rates_of_a_sweep_draw_independent_batches_and_noise():
     """Shared noise across the rates of a sweep would cancel between released models (audit finding)."""
     a = engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.001)
@@ -243,15 +273,15 @@ def test_secret_seeds_are_fresh_hidden_and_survive_resume(tmp_path, pool, monkey
 
 @pytest.mark.parametrize("method,G", [("els", 2), ("uls", 3)])
 def test_ledger_epsilon_matches_plan(tmp_path, method, G):
-    from userdp.privacy.accounting import compute_epsilon
+    from privacy_helpers import epsilon_of
 
     t = tokens_table(40, seed=3)
     train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
     pool = build_pool(train, G, seed=0)
     T, sigma, delta = 3, 1.0, 1e-3
     plan = plan_for(pool, method, expected=2.0, steps=T, sigma=sigma, clip=1.0, delta=delta)
-    plan["epsilon_achieved"] = compute_epsilon(method, sigma, plan["sampling_rate"], T, delta,
-                                               group_size=G if method == "els" else 1)
+    plan["epsilon_achieved"] = epsilon_of(method, sigma, plan["sampling_rate"], T, delta,
+                                          group_size=G if method == "els" else 1)
     out = engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(method), 0,
                        gradient_source=ConstantGradients)
     ledger = read_json(tmp_path / "ledger.json")

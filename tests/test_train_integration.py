@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from train_fixtures import make_tokenizer, public_tokens_table, tokens_table
-from userdp.config import fmt_num, iter_cells, validate_config
+from userdp.config import validate_config
+from userdp.layout import fmt_num, iter_cells
 from userdp.io import read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ CONFIG = {
 
 
 def build_inputs(root: Path) -> dict:
-    from userdp.privacy.accounting import compute_epsilon
+    from privacy_helpers import epsilon_of
     from userdp.training.pool import build_pool
 
     cfg = validate_config(json.loads(json.dumps(CONFIG)))
@@ -58,7 +59,7 @@ def build_inputs(root: Path) -> dict:
         write_json(root / cell.plan_path, {
             "method": cell.method, "epsilon": cell.epsilon, "delta": delta, "group_size": G,
             "sampling_rate": q, "steps": cell.steps, "expected_batch": expected, "noise_multiplier": sigma,
-            "epsilon_achieved": compute_epsilon(cell.method, sigma, q, cell.steps, delta,
+            "epsilon_achieved": epsilon_of(cell.method, sigma, q, cell.steps, delta,
                                                 group_size=G if cell.method == "els" else 1),
             "compute_budget": cell.compute, "accountant": "pld", "group_size_rule": "explicit",
             "clip_norm": 1.0, "clipping": "flat",

@@ -1,4 +1,4 @@
-"""Contribution bounding (method.md 2; invariant 10.3): at most G examples per train user, uniform, seeded."""
+"""Contribution bounding (docs/method.md section 2; invariant 10.3): at most G examples per train user, uniform, seeded."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from scipy import stats
 
 from train_fixtures import tokens_table
 from userdp.errors import DataError
-from userdp.training.pool import (_canonical_order, _choose, build_pool, load_train_pool, read_train_tokens,
-                                  user_hashes)
+from userdp.seeding import user_hashes
+from userdp.training.pool import _canonical_order, _choose, build_pool, load_train_pool, read_train_tokens
 
 
 @pytest.fixture()

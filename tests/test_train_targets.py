@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
-from userdp.config import validate_config
-from userdp.training.targets import finetune_inputs, pretrain_inputs, train_targets
+import pytest
+
+from userdp.config import load_config, validate_config
+from userdp.training.settings import RESULT_TRAINING_KEYS, TrainSettings
+from userdp.training.targets import finetune_inputs, finetune_params, pretrain_inputs, train_targets
 
 
 def _config(**over):
@@ -45,3 +50,42 @@ def test_rule_inputs():
                              "lr": "0.001"})
     assert finetune_inputs(cfg, wc)["plan"] == "results/plan/d/method~els/eps~inf/budget~100.json"
     assert "model" not in finetune_inputs(_config(model={"name": "x/y"}, tokenizer={"name": "x/y"}), wc)
+
+
+# Rule finetune's `settings` param as it was before the result-changing keys were declared once
+# (userdp.training.settings): its text must not change, or every user's fine-tuning jobs rerun.
+FINETUNE_PARAMS_TEXT = {
+    "config/config.yaml": (
+        "{'model': {'architecture': 'gpt2', 'n_embd': 128, 'n_head': 4, 'n_layer': 2, 'pretrain': "
+        "{'batch_size': 32, 'learning_rate': 0.001, 'steps': 300}, 'tie_embeddings': True}, 'secret_seeds': False, "
+        "'seed': 0, 'sequence_length': 48, 'training': {'device': 'auto', 'optimizer': 'adam', 'precision': 'fp32', "
+        "'schedule': 'constant', 'uls_examples_per_user': None, 'warmup_steps': 0}}"
+    ),
+    "tests/configs/tiny.yaml": (
+        "{'model': {'architecture': 'gpt2', 'n_embd': 32, 'n_head': 2, 'n_layer': 1, 'pretrain': "
+        "{'batch_size': 32, 'learning_rate': 0.003, 'steps': 40}, 'tie_embeddings': True}, 'secret_seeds': False, "
+        "'seed': 0, 'sequence_length': 32, 'training': {'device': 'auto', 'optimizer': 'adam', 'precision': 'fp32', "
+        "'schedule': 'constant', 'uls_examples_per_user': None, 'warmup_steps': 0}}"
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(FINETUNE_PARAMS_TEXT))
+def test_finetune_params_text_is_unchanged(path):
+    root = Path(__file__).resolve().parents[1]
+    assert repr(finetune_params(load_config(root / path))) == FINETUNE_PARAMS_TEXT[path]
+
+
+def test_one_declaration_of_what_changes_a_run():
+    """finetune params, TrainSettings and the checkpoint fingerprint all follow RESULT_TRAINING_KEYS."""
+    cfg = _config()
+    assert set(finetune_params(cfg)["training"]) == set(RESULT_TRAINING_KEYS)
+    settings = TrainSettings.from_config(cfg, 0.001)
+    assert set(RESULT_TRAINING_KEYS) <= {f.name for f in dataclasses.fields(TrainSettings)}
+    result = settings.result_settings()
+    assert set(result) == set(RESULT_TRAINING_KEYS) | {"learning_rate", "sequence_length"}
+    assert {k: result[k] for k in RESULT_TRAINING_KEYS} == finetune_params(cfg)["training"]
+    # keys that change no result are in neither
+    for key in ("physical_batch_size", "checkpoint_every", "log_every_s"):
+        assert key not in result and key not in finetune_params(cfg)["training"]
+    assert settings.result_settings(device="cuda")["device"] == "cuda"

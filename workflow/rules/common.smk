@@ -4,7 +4,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
-from userdp.config import validate_config, iter_cells, grid_datasets, fmt_num
+from userdp import layout
+from userdp.config import validate_config
 from userdp.errors import ConfigError
 from snakemake.exceptions import WorkflowError
 
@@ -14,31 +15,23 @@ except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
 
+# Every wildcard of the path templates (userdp.layout.WILDCARD_RES).
 wildcard_constraints:
-    dataset=r"[A-Za-z0-9_-]+",
-    method=r"els|uls",
-    eps=r"inf|[0-9]+(\.[0-9]+)?(e-?[0-9]+)?",
-    budget=r"[0-9]+",
-    seed=r"[0-9]+",
-    group=r"[0-9]+",
+    **layout.WILDCARD_RES,
 
 
 def data_targets():
     out = []
     for name in config["datasets"]:
-        out += [
-            f"results/data/{name}/contributions.json",
-            f"results/figures/contributions_{name}.png",
-        ]
-    for name in grid_datasets(config):
-        out.append(f"results/data/{name}/tokens.parquet")
+        out.append(layout.CONTRIBUTIONS.format(dataset=name))
+    for name in layout.grid_datasets(config):
+        out.append(layout.TOKENS.format(dataset=name))
     return out
 
 
 def plan_targets():
-    return [cell.plan_path for cell in iter_cells(config)] + [
-        "results/accounting/comparison.parquet",
-        "results/figures/noise_vs_group_size.png",
+    return [cell.plan_path for cell in layout.iter_cells(config)] + [
+        layout.ACCOUNTING_COMPARISON,
     ]
 
 
@@ -46,6 +39,7 @@ def all_targets():
     from userdp.training.targets import train_targets
     from userdp.evaluation.targets import evaluation_targets
     from userdp.experiments.mean_estimation import workflow_targets as mean_estimation_targets
+    from userdp.plotting.registry import figure_targets
 
     return (
         data_targets()
@@ -53,4 +47,5 @@ def all_targets():
         + train_targets(config)
         + evaluation_targets(config)
         + mean_estimation_targets()
+        + figure_targets(config)
     )

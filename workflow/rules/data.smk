@@ -5,8 +5,9 @@
 # artifacts (e.g. results/data/<new>/contributions.json from a --configfile)
 # builds that dataset only. Whether a dataset has a public (pretraining) part
 # is decided from the config: its source type or a `public` key
-# (userdp.data.prepare.has_public_part), so public.parquet / public_tokens.parquet rules exist only
+# (userdp.data.sources.has_public_part), so public.parquet / public_tokens.parquet rules exist only
 # for such datasets and no checkpoint is needed.
+from userdp import layout
 from userdp.data.targets import (
     datasets_regex,
     public_datasets_regex,
@@ -29,14 +30,14 @@ localrules:
 
 rule download_data:
     output:
-        "data/{dataset}/download.json",
+        layout.DOWNLOAD,
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:
-        "results/logs/data/download_{dataset}.log",
+        layout.LOG_DOWNLOAD,
     threads: 1
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
@@ -49,18 +50,18 @@ rule download_data:
 
 rule prepare_data:
     input:
-        "data/{dataset}/download.json",
+        layout.DOWNLOAD,
     output:
-        examples="results/data/{dataset}/examples.parquet",
-        users="results/data/{dataset}/users.parquet",
-        contributions="results/data/{dataset}/contributions.json",
+        examples=layout.EXAMPLES,
+        users=layout.USERS,
+        contributions=layout.CONTRIBUTIONS,
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:
-        "results/logs/data/prepare_{dataset}.log",
+        layout.LOG_PREPARE,
     threads: 1
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
@@ -73,16 +74,16 @@ rule prepare_data:
 
 rule prepare_public:
     input:
-        "data/{dataset}/download.json",
+        layout.DOWNLOAD,
     output:
-        "results/data/{dataset}/public.parquet",
+        layout.PUBLIC,
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
     wildcard_constraints:
         dataset=PUBLIC_DATASETS_RE,
     log:
-        "results/logs/data/prepare_public_{dataset}.log",
+        layout.LOG_PREPARE_PUBLIC,
     threads: 1
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
@@ -93,42 +94,17 @@ rule prepare_public:
         "../scripts/prepare_public.py"
 
 
-rule plot_contributions:
-    input:
-        "results/data/{dataset}/contributions.json",
-    output:
-        png=report(
-            "results/figures/contributions_{dataset}.png",
-            caption="../report/contributions.rst",
-            category="Data",
-            labels={"figure": "contributions", "dataset": "{dataset}"},
-        ),
-        pdf="results/figures/contributions_{dataset}.pdf",
-    wildcard_constraints:
-        dataset=DATASETS_RE,
-    log:
-        "results/logs/figures/contributions_{dataset}.log",
-    threads: 1
-    resources:
-        mem_mb=1000,
-        runtime=10,
-    conda:
-        "../envs/userdp.yaml"
-    script:
-        "../scripts/plot_contributions.py"
-
-
 rule train_tokenizer:
     input:
         unpack(lambda wildcards: tokenizer_inputs(config)),
     output:
-        tokenizer="results/tokenizer/tokenizer.json",
-        info="results/tokenizer/tokenizer_info.json",
+        tokenizer=layout.TOKENIZER,
+        info=layout.TOKENIZER_INFO,
     params:
         name=config["tokenizer"]["name"],
         vocab_size=config["tokenizer"]["vocab_size"],
     log:
-        "results/logs/data/tokenizer.log",
+        layout.LOG_TOKENIZER,
     threads: 2
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
@@ -141,17 +117,17 @@ rule train_tokenizer:
 
 rule tokenize:
     input:
-        examples="results/data/{dataset}/examples.parquet",
-        tokenizer="results/tokenizer/tokenizer.json",
+        examples=layout.EXAMPLES,
+        tokenizer=layout.TOKENIZER,
     output:
-        "results/data/{dataset}/tokens.parquet",
+        layout.TOKENS,
     params:
         sequence_length=config["tokenizer"]["sequence_length"],
         long_examples=config["tokenizer"]["long_examples"],
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:
-        "results/logs/data/tokenize_{dataset}.log",
+        layout.LOG_TOKENIZE,
     threads: config["tokenizer"]["threads"]
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
@@ -164,14 +140,14 @@ rule tokenize:
 
 use rule tokenize as tokenize_public with:
     input:
-        examples="results/data/{dataset}/public.parquet",
-        tokenizer="results/tokenizer/tokenizer.json",
+        examples=layout.PUBLIC,
+        tokenizer=layout.TOKENIZER,
     output:
-        "results/data/{dataset}/public_tokens.parquet",
+        layout.PUBLIC_TOKENS,
     wildcard_constraints:
         dataset=PUBLIC_DATASETS_RE,
     log:
-        "results/logs/data/tokenize_public_{dataset}.log",
+        layout.LOG_TOKENIZE_PUBLIC,
 
 
 # A target under results/data/ that names a dataset the config does not
@@ -180,11 +156,11 @@ rule unknown_dataset:
     input:
         lambda wildcards: unknown_dataset_error(config, wildcards.dataset),
     output:
-        "results/data/{dataset}/{artifact}",
+        layout.DATA_ARTIFACT,
     wildcard_constraints:
         dataset=UNKNOWN_DATASETS_RE,
     log:
-        "results/logs/data/unknown_{dataset}_{artifact}.log",
+        layout.LOG_UNKNOWN_DATASET,
     threads: 1
     resources:
         mem_mb=100,

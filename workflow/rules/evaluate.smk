@@ -6,12 +6,14 @@
 # is treated like test data). Choosing among k learning rates composes the k
 # runs: select_lr adds `epsilon_including_lr_selection` to the cell's ledger.
 #
-# `evaluation_targets()` lists every file of this stage and of figures.smk
-# (for rule all); `snakemake evaluation` builds them.
+# `evaluation_targets()` lists every file of this stage (for rule all);
+# `snakemake evaluation` builds them and the LM figures (figures.smk).
 import os
 from functools import partial
 
 import userdp.evaluation.targets as eval_targets
+from userdp import layout
+from userdp.plotting.registry import figure_targets
 
 evaluation_targets = partial(eval_targets.evaluation_targets, config)
 
@@ -30,19 +32,18 @@ _EVAL_PARAMS = dict(
 rule evaluate:
     input:
         model=lambda wc: eval_targets.run_model_files(wc.dataset, wc.cell, wc.lr),
-        tokens="results/data/{dataset}/tokens.parquet",
+        tokens=layout.TOKENS,
     output:
-        "results/runs/{dataset}/{cell}/lr~{lr}/eval.json",
+        f"{layout.RUN_DIR}/{layout.EVAL}",
     wildcard_constraints:
-        cell=eval_targets.CELL_REGEX,
-        lr=eval_targets.LR_REGEX,
+        cell=layout.CELL_RE,
     params:
         model=lambda wc, input: os.path.dirname(input.model[0]),
         local_model=True,
         learning_rate=lambda wc: float(wc.lr),
         **_EVAL_PARAMS,
     log:
-        "results/logs/evaluate/{dataset}/{cell}/lr~{lr}.log",
+        layout.LOG_EVALUATE,
     threads: config["training"]["threads"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
@@ -57,9 +58,9 @@ rule evaluate:
 rule evaluate_pretrained:
     input:
         model=eval_targets.pretrained_model_files(config),
-        tokens="results/data/{dataset}/tokens.parquet",
+        tokens=layout.TOKENS,
     output:
-        "results/runs/{dataset}/pretrained/metrics.json",
+        layout.PRETRAINED_METRICS,
     params:
         # the local folder of the pretrained model, or the hub name in model.name
         model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
@@ -67,7 +68,7 @@ rule evaluate_pretrained:
         learning_rate=None,
         **_EVAL_PARAMS,
     log:
-        "results/logs/evaluate/{dataset}/pretrained.log",
+        layout.LOG_EVALUATE_PRETRAINED,
     threads: config["training"]["threads"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
@@ -81,19 +82,19 @@ rule evaluate_pretrained:
 
 rule select_lr:
     input:
-        evals=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, "eval.json"),
-        ledgers=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, "ledger.json"),
-        train_logs=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, "train_log.parquet"),
+        evals=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.EVAL),
+        ledgers=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.LEDGER),
+        train_logs=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.TRAIN_LOG),
     output:
-        metrics="results/runs/{dataset}/{cell}/metrics.json",
-        ledger="results/runs/{dataset}/{cell}/ledger.json",
-        train_log="results/runs/{dataset}/{cell}/train_log.parquet",
+        metrics=f"{layout.CELL_DIR}/{layout.METRICS}",
+        ledger=f"{layout.CELL_DIR}/{layout.LEDGER}",
+        train_log=f"{layout.CELL_DIR}/{layout.TRAIN_LOG}",
     wildcard_constraints:
-        cell=eval_targets.CELL_REGEX,
+        cell=layout.CELL_RE,
     params:
         learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
     log:
-        "results/logs/select_lr/{dataset}/{cell}.log",
+        layout.LOG_SELECT_LR,
     threads: 1
     resources:
         mem_mb=1000,
@@ -108,11 +109,11 @@ rule aggregate:
     input:
         unpack(lambda wc: eval_targets.summary_inputs(config, wc.dataset)),
     output:
-        parquet="results/summary/{dataset}/metrics.parquet",
-        csv="results/summary/{dataset}/metrics.csv",
-        curves="results/summary/{dataset}/train_curves.parquet",
+        parquet=layout.SUMMARY,
+        csv=layout.SUMMARY_CSV,
+        curves=layout.TRAIN_CURVES,
     log:
-        "results/logs/aggregate/{dataset}.log",
+        layout.LOG_AGGREGATE,
     threads: 1
     resources:
         mem_mb=2000,
@@ -127,3 +128,4 @@ rule evaluation:
     """Convenience target: `snakemake evaluation` runs the evaluation stage and the LM figures."""
     input:
         evaluation_targets(),
+        figure_targets(config, family="lm"),

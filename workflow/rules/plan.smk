@@ -2,7 +2,7 @@
 # training plan (G, sampling rate, expected batch, calibrated sigma), and the
 # accounting comparison (noise needed vs G for the tight ELS accountant, the
 # group-privacy conversion and ULS) with its figure.
-from userdp.config import steps_for_budget
+from userdp import layout
 import userdp.privacy.targets as plan_inputs_lib
 
 # Counts n_u come from tokens.parquet in chunk mode (rows, the unit the pool
@@ -28,13 +28,13 @@ rule contribution_stats_dp:
     input:
         unpack(lambda wildcards: plan_inputs_lib.count_inputs(config, wildcards.dataset)),
     output:
-        "results/data/{dataset}/contributions_dp.json",
+        layout.CONTRIBUTIONS_DP,
     params:
         settings=config["privacy"].get("contribution_stats", {}),
         seed=config["seed"],
         secret=config["privacy"].get("secret_seeds", False),
     log:
-        "results/logs/plan/contributions_dp_{dataset}.log",
+        layout.LOG_CONTRIBUTIONS_DP,
     threads: 1
     resources:
         mem_mb=2000,
@@ -49,14 +49,14 @@ rule plan:
     input:
         unpack(lambda wildcards: plan_inputs_lib.plan_inputs(config, wildcards.dataset)),
     output:
-        "results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.json",
+        layout.PLAN,
     params:
         privacy=_plan_privacy,
-        steps=lambda wildcards: steps_for_budget(config, wildcards.budget),
+        steps=lambda wildcards: layout.steps_for_budget(config, wildcards.budget),
         reference_epsilon=_reference_epsilon,
         group_size=None,
     log:
-        "results/logs/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.log",
+        layout.LOG_PLAN,
     threads: 1
     resources:
         mem_mb=1000,
@@ -69,25 +69,25 @@ rule plan:
 
 use rule plan as plan_group_sweep with:
     output:
-        "results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.json",
+        layout.GROUP_PLAN,
     params:
         privacy=_plan_privacy,
-        steps=lambda wildcards: steps_for_budget(config, wildcards.budget),
+        steps=lambda wildcards: layout.steps_for_budget(config, wildcards.budget),
         reference_epsilon=_reference_epsilon,
         group_size=lambda wildcards: int(wildcards.group),
     log:
-        "results/logs/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.log",
+        layout.LOG_GROUP_PLAN,
 
 
 rule accounting_comparison:
     output:
-        "results/accounting/comparison.parquet",
+        layout.ACCOUNTING_COMPARISON,
     params:
         comparison=config["privacy"]["comparison"],
         tolerance=config["privacy"]["calibration_tolerance"],
         max_noise_multiplier=config["privacy"]["max_noise_multiplier"],
     log:
-        "results/logs/accounting/comparison.log",
+        layout.LOG_ACCOUNTING_COMPARISON,
     threads: 1
     resources:
         mem_mb=2000,
@@ -97,24 +97,3 @@ rule accounting_comparison:
     script:
         "../scripts/accounting_comparison.py"
 
-
-rule plot_noise_vs_group_size:
-    input:
-        "results/accounting/comparison.parquet",
-    output:
-        png=report(
-            "results/figures/noise_vs_group_size.png",
-            caption="../report/noise_vs_group_size.rst",
-            category="Accounting",
-        ),
-        pdf="results/figures/noise_vs_group_size.pdf",
-    log:
-        "results/logs/figures/noise_vs_group_size.log",
-    threads: 1
-    resources:
-        mem_mb=1000,
-        runtime=10,
-    conda:
-        "../envs/userdp.yaml"
-    script:
-        "../scripts/plot_noise_vs_group_size.py"

@@ -1,4 +1,8 @@
-"""Snakemake script: the per-dataset summary table (one row per grid cell) and training curves."""
+"""Snakemake script (rule aggregate): the per-dataset summary table (one row per grid cell) and training curves.
+
+Reads the cells' files the rule lists as its named inputs (plans, metrics,
+ledgers, train_logs; userdp.evaluation.targets.summary_inputs).
+"""
 
 from userdp.errors import run_main
 from userdp.evaluation.aggregate import build_summary, write_summary
@@ -9,7 +13,7 @@ log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
 
 def main() -> None:
     sm = snakemake  # noqa: F821
-    summary, curves = build_summary(sm.config, sm.wildcards.dataset)
+    summary, curves = build_summary(sm.config, {name: list(files) for name, files in sm.input.items()})
     write_summary(summary, curves, sm.output.parquet, sm.output.csv, sm.output.curves)
 
 

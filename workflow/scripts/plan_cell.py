@@ -4,7 +4,7 @@ import userdp.errors
 import userdp.io
 import userdp.logutil
 import userdp.privacy.planner
-from userdp.config import parse_num
+from userdp.layout import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
 from userdp.privacy.planner import plan_cell, read_counts
 

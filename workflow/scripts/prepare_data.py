@@ -7,8 +7,9 @@ import pyarrow as pa
 
 import userdp.errors
 import userdp.logutil
-from userdp.data.base import open_source
+from userdp.data.sources import open_source
 from userdp.data.prepare import prepare_dataset
+from userdp.layout import DOWNLOADS
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -18,7 +19,7 @@ def main() -> None:
     name = snakemake.wildcards.dataset  # noqa: F821
     spec = copy.deepcopy(dict(snakemake.params.spec))  # noqa: F821
     seed = int(snakemake.params.seed)  # noqa: F821
-    source = open_source(name, spec, data_dir="data", seed=seed)
+    source = open_source(name, spec, data_dir=DOWNLOADS, seed=seed)
     out_dir = Path(snakemake.output.contributions).parent  # noqa: F821
     stats = prepare_dataset(source, name, spec, out_dir, seed, batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]))  # noqa: F821
     log.info("dataset %s: users %s, examples %s, median/max train contributions %s/%s, dropped %s",

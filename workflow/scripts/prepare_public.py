@@ -4,8 +4,9 @@ import copy
 
 import userdp.errors
 import userdp.logutil
-from userdp.data.base import open_source
+from userdp.data.sources import open_source
 from userdp.data.prepare import write_public
+from userdp.layout import DOWNLOADS
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -13,7 +14,7 @@ log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 def main() -> None:
     name = snakemake.wildcards.dataset  # noqa: F821
     spec = copy.deepcopy(dict(snakemake.params.spec))  # noqa: F821
-    source = open_source(name, spec, data_dir="data", seed=int(snakemake.params.seed))  # noqa: F821
+    source = open_source(name, spec, data_dir=DOWNLOADS, seed=int(snakemake.params.seed))  # noqa: F821
     info = write_public(source, name, snakemake.output[0], batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]))  # noqa: F821
     log.info("dataset %s: public text written: %s", name, info)
 

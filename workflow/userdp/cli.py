@@ -3,7 +3,7 @@
     userdp epsilon   --method els --noise-multiplier 1.1 --sampling-rate 0.01 --steps 1000 --group-size 8 --delta 1e-6
     userdp calibrate --method els --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --group-size 8
 
-`--json` prints one JSON object with the plan's field names (artifacts.md).
+`--json` prints one JSON object with the plan's field names (docs/artifacts.md, "Command line").
 Invalid arguments exit with status 2 and a message naming the argument.
 """
 
@@ -118,7 +118,7 @@ def _emit(record: dict, as_json: bool, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 invalid arguments or infeasible target)."""
     args = build_parser().parse_args(argv)
-    from .privacy import accounting
+    from .privacy import mechanism
     from .privacy.calibration import calibrate
 
     from .privacy.contribution_stats import laplace_event
@@ -130,11 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     extra = (laplace_event(args.stats_epsilon),) if args.stats_epsilon is not None else ()
     try:
+        mech = mechanism.get(args.method, comparison=True)(args.sampling_rate, args.steps, args.group_size)
         if args.command == "epsilon":
-            eps = accounting.compute_epsilon(
-                args.method, args.noise_multiplier, args.sampling_rate, args.steps, args.delta, args.group_size,
-                discretization=args.discretization, extra_events=extra,
-            )
+            eps = mech.epsilon(args.noise_multiplier, args.delta, discretization=args.discretization,
+                               extra_events=extra)
             record = {
                 "method": args.method,
                 "epsilon": eps,
@@ -143,17 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "sampling_rate": args.sampling_rate,
                 "steps": args.steps,
                 "noise_multiplier": args.noise_multiplier,
-                "accountant": accounting.accountant_name(args.method),
+                "accountant": mech.accountant,
                 "discretization": args.discretization,
             }
             if extra:
                 record["contribution_stats_epsilon"] = args.stats_epsilon
             _emit(record, args.json, f"epsilon = {eps:.6g} at delta = {args.delta:.3g}")
         else:
-            r = calibrate(
-                args.method, args.epsilon, args.delta, args.sampling_rate, args.steps, args.group_size,
-                tolerance=args.tolerance, max_noise_multiplier=args.max_noise_multiplier, extra_events=extra,
-            )
+            r = calibrate(mech, args.epsilon, args.delta, tolerance=args.tolerance,
+                          max_noise_multiplier=args.max_noise_multiplier, extra_events=extra)
             record = r.to_dict()
             if extra:
                 record["contribution_stats_epsilon"] = args.stats_epsilon

@@ -1,27 +1,25 @@
-"""Config validation (JSON schema with defaults) and the grid of cells.
+"""Config validation: the JSON schema with defaults, the checks it cannot express, warnings.
 
 The schema lives in workflow/schemas/config.schema.yaml; validation fills in
 defaults and turns schema violations into `ConfigError`s that name the key,
 the offending value and what is allowed. Snakemake's own `validate` runs the
 same schema in the Snakefile; this module is what scripts, the CLI and tests
-use.
+use. Paths, their numbers and the grid of cells are userdp.layout's.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
-import math
-from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import yaml
 
 from .errors import ConfigError
+from .layout import fmt_num, sort_keys_in_place
+from .training.settings import check_uls_fits
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
@@ -126,39 +124,6 @@ def validate_config(config: dict, source: str = "config") -> dict:
     return config
 
 
-def sorted_dict(value: Any) -> Any:
-    """A copy of `value` with every mapping's keys in sorted order (recursively).
-
-    For rule params built from the config: Snakemake records a param as its
-    repr, so the record must depend on content only (see sort_keys_in_place).
-    """
-    if isinstance(value, Mapping):
-        return {str(k): sorted_dict(value[k]) for k in sorted(value, key=str)}
-    if isinstance(value, (list, tuple)):
-        return [sorted_dict(v) for v in value]
-    return value
-
-
-def sort_keys_in_place(obj: Any) -> None:
-    """Sort the keys of every mapping in `obj`, recursively, keeping each dict object.
-
-    Snakemake compares rule params by their repr, so without this a config
-    whose keys merely come in another order (a reordered file, defaults filled
-    in another order) would rerun every job. Each dict is rebuilt in place
-    (clear + update) because Snakemake's `config` must stay the same object;
-    lists keep their order (it means something: e.g. the first budget).
-    """
-    if isinstance(obj, dict):
-        for value in obj.values():
-            sort_keys_in_place(value)
-        items = sorted(obj.items(), key=lambda kv: str(kv[0]))
-        obj.clear()
-        obj.update(items)
-    elif isinstance(obj, list):
-        for value in obj:
-            sort_keys_in_place(value)
-
-
 def _resolve_public_dataset(config: dict) -> None:
     """Write down which dataset `tokenizer.public_dataset: null` means.
 
@@ -168,7 +133,7 @@ def _resolve_public_dataset(config: dict) -> None:
     tok = config["tokenizer"]
     if tok["name"] is not None or tok["public_dataset"] is not None:
         return
-    from .data.prepare import has_public_part  # lazy: prepare imports numpy/pyarrow
+    from .data.sources import has_public_part  # lazy: keeps loading the Snakefile light
 
     for name, spec in config["datasets"].items():
         if has_public_part(spec):
@@ -219,34 +184,21 @@ def _check_semantics(config: dict, source: str) -> None:
 # ---------------------------------------------------------------- semantic checks
 
 
-# Loaders that pass their keys inline instead of a module-level KEYS
-# (synthetic.py: check_keys(name, spec, {"synthetic"})).
-_INLINE_SOURCE_KEYS: dict[str, frozenset[str]] = {"synthetic": frozenset({"synthetic"})}
-
-
-def _source_keys(source: str) -> frozenset[str]:
-    """The dataset keys a source reads besides the common ones: its loader module's KEYS.
-
-    Imported lazily and only for the sources a config uses (loaders import
-    pyarrow, never torch or datasets at module level).
-    """
-    module = importlib.import_module(f"{__package__}.data.{source}")
-    keys = getattr(module, "KEYS", None)
-    return frozenset(keys) if keys is not None else _INLINE_SOURCE_KEYS[source]
-
-
 def _check_dataset_keys(config: dict, source: str) -> None:
     """Per-source keys of every dataset (and of its `public` corpus), as the loaders check them.
 
     The schema's dataset definition lists the keys of every source, so
     `datasets.x.user_colum` or `hub_name` on a local dataset would otherwise
-    only fail when the job that reads the dataset runs.
+    only fail when the job that reads the dataset runs. The keys of each
+    source are declared in userdp.data.sources (imported lazily: config is
+    below the stages; reading the registry imports no loader).
     """
+    from .data.sources import source_keys
     from .data.spec_keys import check_keys
 
     for name, spec in config["datasets"].items():
         try:
-            check_keys(name, spec, _source_keys(spec["source"]))
+            check_keys(name, spec, source_keys(spec["source"]))
             if spec.get("public") is not None:
                 from .data.public import check_public_spec
 
@@ -341,7 +293,7 @@ def _explicit_int(value: Any) -> int | None:
 def _check_uls_fits(config: dict, source: str) -> None:
     """ULS keeps a user's examples in one micro-batch: explicit G (or k) must fit physical_batch_size.
 
-    The config-time twin of userdp.training.batching.check_uls_fits (same
+    The config-time use of userdp.training.settings.check_uls_fits (the same
     message), for the G the config states; G chosen from the data (median,
     snr) is checked when the run starts.
     """
@@ -357,25 +309,6 @@ def _check_uls_fits(config: dict, source: str) -> None:
         explicit.append(("grid.group_size_sweep", int(g), f"drop {g} from grid.group_size_sweep"))
     for key, G, smaller in explicit:
         check_uls_fits(G, pbs, None if k is None else int(k), key=key, smaller=smaller, source=source)
-
-
-def check_uls_fits(group_size: int, physical_batch_size: int, examples_per_user: int | None, *,
-                   key: str = "privacy.group_size.uls", smaller: str = "a smaller G (privacy.group_size.uls)",
-                   source: str | None = None) -> None:
-    """ULS micro-batches hold whole users: the largest user's rows of a step must fit in one.
-
-    Used at config validation (explicit G) and by the training engine (any G).
-    """
-    largest = group_size if examples_per_user is None else min(group_size, examples_per_user)
-    if largest > physical_batch_size:
-        raise ConfigError(
-            (f"{source}: " if source else "")
-            + f"training.physical_batch_size is {physical_batch_size} but ULS needs whole users in one micro-batch "
-            f"and a user can have up to {largest} examples per step (G = {group_size} from {key}"
-            + ("" if examples_per_user is None else f", training.uls_examples_per_user = {examples_per_user}")
-            + f"). Fix: set training.physical_batch_size >= {largest}, or {smaller}, "
-            "or training.uls_examples_per_user <= training.physical_batch_size."
-        )
 
 
 def _check_contribution_stats(config: dict, source: str) -> None:
@@ -449,89 +382,3 @@ def load_config(path: str | Path) -> dict:
     if not isinstance(config, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(config).__name__}")
     return validate_config(config, source=str(path))
-
-
-# ---------------------------------------------------------------- numbers in paths
-
-
-def fmt_num(x: float | int | str) -> str:
-    """Canonical text of a number for artifact paths: 4, 0.5, 1e-05, 1e16, inf.
-
-    `1` and `1.0` give the same text, so one cell never gets two paths. The
-    exponent never has a '+' (repr(1e16) is '1e+16'), so the text matches the
-    eps/lr wildcard patterns of the rules, which allow `e-?[0-9]+`.
-    """
-    v = float(x)
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    if v.is_integer() and abs(v) < 1e15:
-        return str(int(v))
-    return repr(v).replace("e+", "e")
-
-
-def parse_num(text: str) -> float:
-    return float(text)
-
-
-# ---------------------------------------------------------------- the grid
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One fine-tuning grid cell. `group_size` is set only for G-sweep cells."""
-
-    dataset: str
-    method: str
-    epsilon: float
-    compute: int
-    steps: int
-    seed: int
-    group_size: int | None = None
-
-    @property
-    def eps_text(self) -> str:
-        return fmt_num(self.epsilon)
-
-    @property
-    def plan_path(self) -> str:
-        base = f"results/plan/{self.dataset}/method~{self.method}/eps~{self.eps_text}/budget~{self.compute}"
-        return base + (f"/group~{self.group_size}.json" if self.group_size else ".json")
-
-    @property
-    def run_dir(self) -> str:
-        base = f"results/runs/{self.dataset}/method~{self.method}/eps~{self.eps_text}/budget~{self.compute}"
-        if self.group_size:
-            base += f"/group~{self.group_size}"
-        return base + f"/seed~{self.seed}"
-
-
-def grid_datasets(config: dict) -> list[str]:
-    ds = config["grid"]["datasets"]
-    return list(config["datasets"]) if ds is None else list(ds)
-
-
-def steps_for_budget(config: dict, compute: int | str) -> int:
-    for b in config["grid"]["budgets"]:
-        if int(b["compute"]) == int(compute):
-            return int(b["steps"])
-    raise ConfigError(
-        f"no grid.budgets entry has compute {compute}; configured: {[b['compute'] for b in config['grid']['budgets']]}"
-    )
-
-
-def iter_cells(config: dict) -> Iterator[Cell]:
-    """Every fine-tuning cell of the grid: private cells, eps=inf references, G sweep."""
-    grid = config["grid"]
-    epsilons = [float(e) for e in grid["epsilons"]]
-    if grid["nonprivate"]:
-        epsilons.append(math.inf)
-    for dataset in grid_datasets(config):
-        for method in grid["methods"]:
-            for eps in epsilons:
-                for b in grid["budgets"]:
-                    for seed in grid["seeds"]:
-                        yield Cell(dataset, method, eps, int(b["compute"]), int(b["steps"]), int(seed))
-            b0 = grid["budgets"][0]
-            for g in grid["group_size_sweep"]:
-                for seed in grid["seeds"]:
-                    yield Cell(dataset, method, epsilons[0], int(b0["compute"]), int(b0["steps"]), int(seed), int(g))

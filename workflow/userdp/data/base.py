@@ -17,7 +17,9 @@ A dataset of ANY source may name its own public corpus with a `public` key
 `userdp.data.public`). `open_source` then wraps the source so that
 `has_public`/`iter_public` read that corpus; for `synthetic` and `fortunes`
 it replaces their built-in public part. Build sources with `open_source`
-(not the loader factories) so that this routing applies.
+(not the loader classes) so that this routing applies. Which sources
+exist, their config keys and their built-in public parts are declared in
+`userdp.data.sources`.
 
 Errors in the input raise `userdp.errors.DataError` naming the file (and row
 or column) and the fix.
@@ -26,7 +28,7 @@ or column) and the fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import pyarrow as pa
 
@@ -56,35 +58,3 @@ class Source(Protocol):
 
     def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
         """Yield PUBLIC_SCHEMA batches of public text (only if has_public())."""
-
-
-# source name -> factory(name, spec, data_dir, seed) -> Source
-REGISTRY: dict[str, Callable[[str, dict, Path, int], Source]] = {}
-
-
-def register(source: str):
-    def deco(factory):
-        REGISTRY[source] = factory
-        return factory
-
-    return deco
-
-
-def open_source(name: str, spec: dict, data_dir: str | Path = "data", seed: int = 0) -> Source:
-    """Build the Source for dataset `name` from its config spec.
-
-    With a non-null `public` key the source's public part is that corpus
-    (`userdp.data.public.with_public`), whatever the source.
-    """
-    from . import sources  # noqa: F401  (imports every loader module, filling REGISTRY)
-    from ..errors import ConfigError
-
-    kind = spec.get("source")
-    if kind not in REGISTRY:
-        raise ConfigError(
-            f"datasets.{name}.source is {kind!r}; allowed values: {sorted(REGISTRY)}."
-        )
-    from .public import with_public
-
-    source = REGISTRY[kind](name, spec, Path(data_dir) / name, seed)
-    return with_public(source, name, spec, Path(data_dir) / name)

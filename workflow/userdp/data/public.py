@@ -12,7 +12,7 @@ dataset of any source can name its own public corpus:
       hub_config: en
       hub_split: validation
 
-`open_source` (base.py) wraps the dataset's Source in `WithPublicCorpus`
+`open_source` (sources.py) wraps the dataset's Source in `WithPublicCorpus`
 whenever the spec has a non-null `public` key, so `has_public`/`iter_public`
 come from here for every source; for `synthetic` and `fortunes` this REPLACES
 their built-in public part.

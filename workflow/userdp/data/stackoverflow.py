@@ -35,7 +35,8 @@ import pyarrow as pa
 from ..errors import ConfigError, DataError
 from ..logutil import Progress
 from . import download as dl
-from .base import RAW_SCHEMA, register
+from .base import RAW_SCHEMA
+from .sources import source_keys
 from .spec_keys import check_keys, max_examples
 from .tfexample import DecodeError, bytes_feature, example_class
 
@@ -44,7 +45,6 @@ log = logging.getLogger(__name__)
 DEFAULT_URL = "https://storage.googleapis.com/tff-datasets-public/stackoverflow.sqlite.lzma"
 SPLITS = ("train", "heldout", "test")
 DEFAULT_SPLITS = ("train", "heldout")
-KEYS = {"path", "url", "sha256", "splits", "include_title"}
 
 _EXAMPLE_COLUMNS = {"split_name", "client_id", "serialized_example_proto"}
 _METADATA_COLUMNS = {"client_id", "split_name", "num_examples"}
@@ -92,7 +92,7 @@ class StackOverflowSource:
     """The TFF Stack Overflow SQLite, streamed in pages of rows."""
 
     def __init__(self, name: str, spec: dict, data_dir: Path, seed: int = 0):
-        check_keys(name, spec, KEYS)
+        check_keys(name, spec, source_keys("stackoverflow"))
         self.name, self.spec, self.data_dir, self.seed = name, spec, Path(data_dir), seed
         self.path = Path(spec["path"]).expanduser() if spec.get("path") else None
         self.url = spec.get("url") or DEFAULT_URL
@@ -243,6 +243,5 @@ class StackOverflowSource:
         return iter(())
 
 
-@register("stackoverflow")
 def make_stackoverflow(name: str, spec: dict, data_dir: Path, seed: int = 0) -> StackOverflowSource:
     return StackOverflowSource(name, spec, data_dir, seed)

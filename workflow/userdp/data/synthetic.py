@@ -34,7 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import ConfigError
-from .base import PUBLIC_SCHEMA, RAW_SCHEMA, register
+from .base import PUBLIC_SCHEMA, RAW_SCHEMA
+from .sources import source_keys
 from .spec_keys import check_keys, max_examples
 
 # ---------------------------------------------------------------- vocabulary
@@ -358,7 +359,7 @@ class SyntheticSource:
     """`Source` of the synthetic corpus; see the module docstring."""
 
     def __init__(self, name: str, spec: dict, data_dir: Path, seed: int):
-        check_keys(name, spec, {"synthetic"})
+        check_keys(name, spec, source_keys("synthetic"))
         self.name, self.spec, self.data_dir = name, spec, Path(data_dir)
         self.params = SyntheticSpec.from_config(name, spec, seed)
         self.max_examples = max_examples(name, spec)
@@ -425,9 +426,3 @@ class SyntheticSource:
             rng = np.random.default_rng(np.random.SeedSequence([p.seed, 0x9B11C, i]))
             text = _generate_texts(self.models, self.public_topics(n, rng), rng, p.max_sentences, p.extra_sentence_prob, p.collocation_prob)
             yield from pa.table({"text": text}, schema=PUBLIC_SCHEMA).to_batches(max_chunksize=batch_rows)
-
-
-@register("synthetic")
-def _factory(name: str, spec: dict, data_dir: Path, seed: int) -> SyntheticSource:
-    return SyntheticSource(name, spec, data_dir, seed)
-

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 
+from .. import layout
 from ..errors import ConfigError
-from .prepare import has_public_part
+from .sources import has_public_part
 from .tokenize import public_dataset_name
 
 
@@ -32,7 +33,7 @@ def public_datasets_regex(config: dict) -> str:
 
 
 def public_parquet_targets(config: dict) -> list[str]:
-    return [f"results/data/{n}/public.parquet" for n in public_datasets(config)]
+    return [layout.PUBLIC.format(dataset=n) for n in public_datasets(config)]
 
 
 def tokenizer_inputs(config: dict) -> dict[str, str]:
@@ -46,7 +47,7 @@ def tokenizer_inputs(config: dict) -> dict[str, str]:
             "part; add a synthetic or fortunes dataset, give a dataset a public corpus (datasets.<name>.public), "
             "or set tokenizer.name."
         )
-    return {"public": f"results/data/{name}/public.parquet"}
+    return {"public": layout.PUBLIC.format(dataset=name)}
 
 
 def unknown_datasets_regex(config: dict) -> str:

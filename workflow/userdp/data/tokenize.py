@@ -70,7 +70,7 @@ PUBLIC_TOKENS_SCHEMA = pa.schema([pa.field("input_ids", pa.list_(pa.int32())), p
 
 def public_dataset_name(config: dict) -> str | None:
     """`tokenizer.public_dataset`, or the first dataset (config order) with a public part."""
-    from .prepare import has_public_part
+    from .sources import has_public_part
 
     name = config["tokenizer"].get("public_dataset")
     if name is not None:

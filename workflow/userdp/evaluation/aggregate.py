@@ -8,7 +8,8 @@ Column names:
   learning-rate table `learning_rate_sweep` as JSON text;
 - every plan field prefixed `plan_`, every ledger field prefixed `ledger_`;
   nested objects are flattened with dots (`ledger_versions.torch`) and lists
-  become JSON text, so the table also fits in a CSV;
+  become JSON text, so the table also fits in a CSV; the dp-accounting
+  events (`plan_dp_event`, `ledger_dp_event`) are one JSON-text column each;
 - from the chosen run's train log: train_final_loss (mean training loss over
   the last 10% of logged steps) and train_steps_logged.
 
@@ -24,13 +25,14 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from ..config import Cell, iter_cells
 from ..errors import DataError
 from ..io import atomic_path, read_json, write_parquet
+from ..layout import Cell, cell_of_dir
+from .targets import SUMMARY_INPUTS
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,14 @@ def _scalar(v: Any) -> Any:
     if isinstance(v, str) and v in _NONFINITE:
         return _NONFINITE[v]
     return v
+
+
+def _events_as_text(record: Mapping[str, Any]) -> dict[str, Any]:
+    """`record` with its dp-accounting event (`dp_event`) as one JSON-text value instead of nested columns."""
+    out = dict(record)
+    if isinstance(out.get("dp_event"), Mapping):
+        out["dp_event"] = json.dumps(out["dp_event"], sort_keys=True)
+    return out
 
 
 def flatten(obj: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
@@ -87,8 +97,8 @@ def cell_row(cell: Cell, plan: Mapping, ledger: Mapping, metrics: Mapping, train
         "run_dir": cell.run_dir,
     }
     row.update(flatten(metrics))
-    row.update(flatten(plan, "plan_"))
-    row.update(flatten(ledger, "ledger_"))
+    row.update(flatten(_events_as_text(plan), "plan_"))
+    row.update(flatten(_events_as_text(ledger), "ledger_"))
     if train_log is not None:
         row.update(train_log_stats(train_log))
     return row
@@ -124,18 +134,29 @@ def _read_json(path: str | os.PathLike, what: str) -> dict:
     return read_json(path)
 
 
-def build_summary(config: dict, dataset: str, root: str | os.PathLike = ".") -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Summary rows and training curves of every cell of `dataset` in the config's grid."""
-    root = Path(root)
+def build_summary(config: Mapping, inputs: Mapping[str, Sequence[str | os.PathLike]]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Summary rows and training curves of the cells whose files `inputs` lists.
+
+    `inputs` maps each of SUMMARY_INPUTS to one path per cell (rule
+    aggregate's input). Each cell is identified by the folder of its
+    metrics.json (userdp.layout.cell_of_dir; its steps from the config's
+    grid.budgets). Curves come in input order.
+    """
+    missing = [k for k in SUMMARY_INPUTS if k not in inputs]
+    if missing:
+        raise ValueError(f"summary inputs lack {missing}; expected {list(SUMMARY_INPUTS)}")
+    files = [list(inputs[k]) for k in SUMMARY_INPUTS]
+    if len({len(f) for f in files}) != 1:
+        raise ValueError(f"summary inputs differ in length: {dict(zip(SUMMARY_INPUTS, map(len, files)))}")
     rows, curves = [], []
-    for cell in iter_cells(config):
-        if cell.dataset != dataset:
-            continue
-        run = root / cell.run_dir
-        plan = _read_json(root / cell.plan_path, "plan")
-        ledger = _read_json(run / "ledger.json", "ledger")
-        metrics = _read_json(run / "metrics.json", "metrics")
-        log_path = run / "train_log.parquet"
+    dataset = None
+    for plan_path, metrics_path, ledger_path, log_path in zip(*files):
+        cell = cell_of_dir(str(Path(metrics_path).parent), config)
+        dataset = cell.dataset
+        plan = _read_json(plan_path, "plan")
+        ledger = _read_json(ledger_path, "ledger")
+        metrics = _read_json(metrics_path, "metrics")
+        log_path = Path(log_path)
         train_log = pd.read_parquet(log_path) if log_path.exists() else None
         row = cell_row(cell, plan, ledger, metrics, train_log)
         rows.append(row)
@@ -146,7 +167,7 @@ def build_summary(config: dict, dataset: str, root: str | os.PathLike = ".") -> 
             curves.append(c[CURVE_COLUMNS])
     summary = summary_frame(rows)
     curve_df = pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(columns=CURVE_COLUMNS)
-    log.info("%s: %d cells summarised, %d training-curve points", dataset, len(summary), len(curve_df))
+    log.info("%s: %d cells summarised, %d training-curve points", dataset or "(no cells)", len(summary), len(curve_df))
     return summary, curve_df
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -34,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
+from ..seeding import derive_seed_crc32
+from ..training.models import load_model, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +56,6 @@ class EvalSet:
     sequences: list[np.ndarray]
 
 
-def derive_seed(root_seed: int, *parts: str | int) -> int:
-    """A 63-bit seed from the config seed and names (stable across runs and machines).
-
-    Python's `hash` is salted per process, so we use crc32 of the parts.
-    """
-    words = [int(root_seed)] + [zlib.crc32(str(p).encode("utf-8")) for p in parts]
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
-
-
 def choose_users(users: Sequence[str], max_users: int | None, seed: int) -> list[str]:
     """All distinct `users`, or a seeded uniform choice of `max_users` of them (sorted)."""
     unique = sorted(set(users))
@@ -77,7 +69,7 @@ def choose_users(users: Sequence[str], max_users: int | None, seed: int) -> list
 def check_held_out(tokens_path: str | os.PathLike, users: Sequence[str], split: str) -> None:
     """Raise DataError if any of `users` (chosen from `split`) has rows in another split.
 
-    Evaluation users must never be training users (method.md section 1); this
+    Evaluation users must never be training users (docs/method.md section 1); this
     guards against a tokens table that breaks the user-level split. Only the
     chosen users' rows are scanned (predicate push-down), so it stays cheap
     on large corpora.
@@ -131,32 +123,6 @@ def load_eval_set(
     assert splits == {split}, f"rows of splits {splits} leaked into the {split} evaluation set"
     sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
     return EvalSet(split=split, users=users, user_ids=table.column("user_id").to_pylist(), sequences=sequences)
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """`auto` picks CUDA when available, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DataError("training.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'.")
-    return torch.device(device)
-
-
-def load_model(path_or_name: str | os.PathLike, device: torch.device, local: bool = True):
-    """Load a causal LM for evaluation, in float32 and eval mode.
-
-    `local=False` allows a Hugging Face hub name (config key model.name).
-    """
-    from transformers import AutoModelForCausalLM
-
-    p = Path(path_or_name)
-    if local and not (p / "config.json").exists():
-        raise DataError(
-            f"model folder {p} has no config.json; the training (or pretraining) rule should have "
-            "written it with save_pretrained. Delete the folder and rerun that rule."
-        )
-    model = AutoModelForCausalLM.from_pretrained(str(path_or_name), dtype=torch.float32)
-    return model.to(device).eval()
 
 
 @torch.no_grad()
@@ -247,10 +213,10 @@ def evaluate_model(
     the same users (paired comparisons).
     """
     dev = resolve_device(device)
-    model = load_model(model_path, dev, local=local_model)
+    model = load_model(model_path, dev, local=local_model).eval()
     out: dict = {}
     for split in EVAL_SPLITS:
-        seed = derive_seed(root_seed, "evaluation", dataset, split)
+        seed = derive_seed_crc32(root_seed, "evaluation", dataset, split)
         eval_set = load_eval_set(tokens_path, split, max_users, seed)
         log.info("%s: %d users, %d examples", split, len(eval_set.users), len(eval_set.sequences))
         metrics = evaluate_set(model, eval_set, batch_size, dev)

@@ -25,9 +25,10 @@ import shutil
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..config import fmt_num
 from ..errors import DataError
 from ..io import atomic_path, read_json, write_json
+from ..training.ledger import MECHANISM_FIELDS, guarantee_epsilon, run_event
+from ..layout import fmt_num
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +124,14 @@ def copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         shutil.copyfile(src, tmp)
 
 
-MECHANISM_FIELDS = ("method", "sampling_rate", "noise_multiplier", "clip_norm", "group_size", "delta",
-                    "steps_completed")
-
-
 def with_selection_epsilon(chosen: dict, ledgers: list[dict], paths: list[str],
-                           compute_epsilon: Callable[..., float] | None = None) -> dict:
-    """The chosen run's ledger plus the epsilon of choosing among all `ledgers` (k runs composed).
+                           accountant: Callable[..., float] | None = None) -> dict:
+    """The chosen run's ledger plus the epsilon of choosing among all `ledgers`: their events composed.
 
     All runs of a cell must share the mechanism (same plan); a mismatch means
-    the runs come from different plans and is an error.
+    the runs come from different plans and is an error. The DP contribution
+    statistics release, when there is one, is composed once.
     """
-    from ..training.ledger import recompute_epsilon
-
     for led, path in zip(ledgers, paths):
         diff = [k for k in MECHANISM_FIELDS if led.get(k) != chosen.get(k)]
         if diff:
@@ -146,16 +142,11 @@ def with_selection_epsilon(chosen: dict, ledgers: list[dict], paths: list[str],
     k = len(ledgers)
     out = dict(chosen)
     out["learning_rates_tried"] = k
-    if chosen.get("noise_multiplier") in (None, 0, 0.0):
-        out["epsilon_including_lr_selection"] = math.inf
-    elif k == 1:
+    if k == 1:
         out["epsilon_including_lr_selection"] = chosen.get("epsilon")
     else:
-        out["epsilon_including_lr_selection"] = recompute_epsilon(
-            chosen["method"], float(chosen["noise_multiplier"]), float(chosen["sampling_rate"]),
-            k * int(chosen["steps_completed"]), float(chosen["delta"]), int(chosen["group_size"]),
-            compute_epsilon=compute_epsilon, contribution_stats=chosen.get("contribution_stats"),
-        )
+        out["epsilon_including_lr_selection"] = guarantee_epsilon(
+            [run_event(led) for led in ledgers], chosen.get("delta"), chosen.get("contribution_stats"), accountant)
     log.info("epsilon of one run %s; of choosing among %d learning rates (composed) %.4g",
              chosen.get("epsilon"), k, float(out["epsilon_including_lr_selection"]))
     return out

@@ -1,9 +1,9 @@
-"""The synthetic mean-estimation study (method.md section 9).
+"""The synthetic mean-estimation study (docs/method.md section 9).
 
 DP-SGD-ELS and DP-SGD-ULS estimate the population mean of synthetic users
 (mean_estimation_population) under the same compute budget K and the same
 user-level (epsilon, delta), with the same sampling, clipping, accounting
-and calibration rules as the language-model runs (method.md 2-7). The metric
+and calibration rules as the language-model runs (docs/method.md sections 2-6). The metric
 is ||theta_T - mu||^2.
 
 Two stages, so that the expensive privacy calibration is not redone when
@@ -28,14 +28,12 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from ..config import fmt_num
 from ..errors import ConfigError
-from .mean_estimation_population import (
-    Population,
-    contribution_counts,
-    median_group_size,
-    seed_sequence,
-)
+from ..layout import MEAN_ESTIMATION_RESULTS, fmt_num
+from ..privacy.contributions import ExactCounts
+from ..privacy.mechanism import METHODS as MECHANISMS
+from ..seeding import seed_sequence
+from .mean_estimation_population import Population, contribution_counts
 from .mean_estimation_sgd import run_els, run_uls
 
 log = logging.getLogger("userdp.mean_estimation")
@@ -47,21 +45,10 @@ GROUP_SIZE_RULES = {"els": "median", "uls": "best_of_sweep"}
 
 CalibrateFn = Callable[..., Any]
 
-#: Figure name -> what it shows (results/figures/mean_estimation_{name}.png|pdf).
-FIGURES = {
-    "vs_epsilon": "error vs epsilon",
-    "vs_diversity": "error vs intra-user diversity",
-    "vs_budget": "error vs compute budget",
-    "vs_group_size": "error vs contribution bound G",
-}
-
 
 def workflow_targets() -> list[str]:
-    """The study's Snakemake targets: the results table and every figure (PNG and PDF)."""
-    out = ["results/mean_estimation/results.parquet"]
-    for name in FIGURES:
-        out += [f"results/figures/mean_estimation_{name}.{ext}" for ext in ("png", "pdf")]
-    return out
+    """The study's Snakemake targets: the results table (its figures: userdp.plotting.registry)."""
+    return [MEAN_ESTIMATION_RESULTS]
 
 
 @dataclass(frozen=True)
@@ -145,7 +132,7 @@ class MeanEstimationSpec:
         G-sweep figure, so they run at one epsilon: the ELS calibrations
         (mixture-of-Gaussians accountant) are the slowest part of the study.
         """
-        if method == "uls" or group_size == median_group_size(counts):
+        if method == "uls" or group_size == ExactCounts(counts).median_group_size():
             return self.epsilons
         return (self.sweep_epsilon,)
 
@@ -155,7 +142,7 @@ class MeanEstimationSpec:
 
     def method_group_sizes(self, counts: np.ndarray) -> dict[str, tuple[int, ...]]:
         """G values each method runs: the sweep, plus the median for ELS."""
-        els = tuple(sorted(set(self.group_sizes) | {median_group_size(counts)}))
+        els = tuple(sorted(set(self.group_sizes) | {ExactCounts(counts).median_group_size()}))
         return {"els": els, "uls": self.group_sizes}
 
 
@@ -166,7 +153,7 @@ def plan_calibrations(spec: MeanEstimationSpec, counts: np.ndarray | None = None
     """One row per (method, epsilon, budget, G): the sampling rate and expected batch.
 
     ELS: B = K / T examples, q = B / N_G. ULS: M = K / (T * mbar_G) users,
-    q_u = M / N (method.md section 5).
+    q_u = M / N (docs/method.md section 5).
     """
     counts = spec.counts() if counts is None else counts
     n = len(counts)
@@ -177,19 +164,13 @@ def plan_calibrations(spec: MeanEstimationSpec, counts: np.ndarray | None = None
             pool_size, mean_kept = int(kept.sum()), float(kept.mean())
             for compute, steps in spec.budgets:
                 epsilons = spec.epsilons_for(method, g, counts)
-                if method == "els":
-                    expected = compute / steps
-                    rate = expected / pool_size
-                    unit, population = "examples", pool_size
-                else:
-                    expected = compute / (steps * mean_kept)
-                    rate = expected / n
-                    unit, population = "users", n
+                s = MECHANISMS[method].sampling_for_budget(compute, steps, n, pool_size, mean_kept)
+                expected, rate = s.expected_batch, s.sampling_rate
                 if rate > 1:
                     raise ConfigError(
                         f"mean_estimation.budgets: compute {compute} with {steps} steps needs an expected "
-                        f"{method.upper()} batch of {expected:.1f} {unit} per step at G={g}, more than the "
-                        f"{population} available; use more steps or a smaller compute budget."
+                        f"{method.upper()} batch of {expected:.1f} {s.unit} per step at G={g}, more than the "
+                        f"{s.population} available; use more steps or a smaller compute budget."
                     )
                 for eps in epsilons:
                     rows.append(dict(
@@ -202,7 +183,8 @@ def plan_calibrations(spec: MeanEstimationSpec, counts: np.ndarray | None = None
 
 def _calibration_key(row: dict) -> tuple:
     # ULS accounting does not depend on G (one user, one clipped gradient).
-    g = int(row["group_size"]) if row["method"] == "els" else 1
+    mech = MECHANISMS[row["method"]](float(row["sampling_rate"]), int(row["steps"]), int(row["group_size"]))
+    g = mech.accounting_group_size
     return (row["method"], float(row["epsilon"]), float(row["delta"]), float(row["sampling_rate"]),
             int(row["steps"]), g)
 
@@ -213,7 +195,7 @@ def _real_calibrate(method: str, epsilon: float, delta: float, sampling_rate: fl
     from userdp.privacy.calibration import calibrate
 
     cell = f"mean_estimation {method} eps={fmt_num(epsilon)} q={sampling_rate:.6g} T={steps} G={group_size}"
-    res = calibrate(method, epsilon, delta, sampling_rate, steps, group_size=group_size, cell=cell)
+    res = calibrate(MECHANISMS[method](sampling_rate, steps, group_size), epsilon, delta, cell=cell)
     return float(res.noise_multiplier), float(res.epsilon_achieved), getattr(res, "accountant", None)
 
 
@@ -251,8 +233,8 @@ def calibrate_cells(
     cal = [table[_calibration_key(r)] for r in records]
     out["noise_multiplier"] = [c[0] for c in cal]
     out["epsilon_achieved"] = [c[1] for c in cal]
-    out["accountant"] = [c[2] if c[2] is not None else ("pld_mixture_of_gaussians" if r["method"] == "els"
-                                                          else "pld_poisson_gaussian") for c, r in zip(cal, records)]
+    out["accountant"] = [c[2] if c[2] is not None else MECHANISMS[r["method"]].accountant
+                         for c, r in zip(cal, records)]
     return out
 
 
@@ -361,7 +343,7 @@ def run_study(
     report = sweep[sweep["phase"] == "report"].merge(best_lr[cell + ["learning_rate", "tuning_squared_error"]],
                                                      on=cell + ["learning_rate"], how="inner")
     # The G each method uses in the comparisons across epsilon, budget and diversity.
-    med = median_group_size(counts)
+    med = ExactCounts(counts).median_group_size()
     uls_best = (best_lr[best_lr["method"] == "uls"].sort_values(["tuning_squared_error", "group_size"])
                 .groupby(["epsilon", "compute_budget", "diversity"], as_index=False).first())
     chosen_keys = {("els", r.epsilon, r.compute_budget, r.diversity, med)
@@ -407,6 +389,5 @@ def uls_over_els(results: pd.DataFrame) -> pd.DataFrame:
 
 
 __all__ = [
-    "FIGURES", "workflow_targets", "MeanEstimationSpec", "plan_calibrations", "calibrate_cells", "run_study", "summarise", "uls_over_els",
-    "median_group_size",
+    "workflow_targets", "MeanEstimationSpec", "plan_calibrations", "calibrate_cells", "run_study", "summarise", "uls_over_els",
 ]

@@ -1,4 +1,4 @@
-"""Synthetic users for the mean-estimation study (method.md section 9).
+"""Synthetic users for the mean-estimation study (docs/method.md section 9).
 
 User u owns n_u examples; n_u is a discretised log-normal (heavy-tailed, like
 posts per user). The population mean is a random unit vector mu; user means
@@ -22,27 +22,12 @@ for different G are nested.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ConfigError
-
-
-def seed_sequence(*parts: object) -> np.random.SeedSequence:
-    """A SeedSequence derived from the config seed and the cell's description.
-
-    Text parts are hashed (crc32) so a cell is identified by readable labels
-    such as ("els", "eps=1", "budget=20000") rather than by positions in a list.
-    """
-    words: list[int] = []
-    for p in parts:
-        if isinstance(p, (int, np.integer)) and not isinstance(p, bool):
-            words.append(int(p))
-        else:
-            words.append(zlib.crc32(str(p).encode("utf-8")))
-    return np.random.SeedSequence(words)
+from ..seeding import seed_sequence
 
 
 def contribution_counts(n_users: int, median: float, sigma: float, seed: int) -> np.ndarray:
@@ -52,11 +37,6 @@ def contribution_counts(n_users: int, median: float, sigma: float, seed: int) ->
     rng = np.random.default_rng(seed_sequence(seed, "mean_estimation", "contributions"))
     z = rng.standard_normal(n_users)
     return np.maximum(1, np.rint(median * np.exp(sigma * z))).astype(np.int64)
-
-
-def median_group_size(counts: np.ndarray) -> int:
-    """The ELS heuristic G = median of n_u (rounded to an integer, at least 1)."""
-    return max(1, int(np.rint(np.median(counts))))
 
 
 @dataclass(frozen=True)

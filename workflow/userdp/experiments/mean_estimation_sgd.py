@@ -1,4 +1,4 @@
-"""Vectorised DP-SGD for the quadratic loss 0.5 ||theta - x||^2 (method.md 3, 4, 9).
+"""Vectorised DP-SGD for the quadratic loss 0.5 ||theta - x||^2 (docs/method.md sections 3, 4, 9).
 
 The gradient of the loss at a point x is theta - x, so both methods are the
 same loop over different points:

@@ -1,4 +1,4 @@
-"""Figures of the synthetic mean-estimation study (one function per figure).
+"""Figures of the synthetic mean-estimation study (one function per figure; see userdp.plotting.registry).
 
 All read results/mean_estimation/results.parquet (see
 userdp.experiments.mean_estimation.run_study) and plot the mean squared error
@@ -204,18 +204,3 @@ def plot_vs_group_size(results: pd.DataFrame, out_png: str, out_pdf: str | None 
             ax.grid(True, which="major", alpha=0.3)
     _finish(fig, axes, f"Mean estimation: error vs contribution bound G at ε = {eps:g}\n{_setting(df)}",
             "contribution bound G (examples per user)", out_png, out_pdf)
-
-
-FIGURES: dict[str, Callable[..., None]] = {
-    "vs_epsilon": plot_vs_epsilon,
-    "vs_diversity": plot_vs_diversity,
-    "vs_budget": plot_vs_budget,
-    "vs_group_size": plot_vs_group_size,
-}
-
-
-def plot(which: str, results: pd.DataFrame, out_png: str, out_pdf: str | None = None) -> None:
-    """Draw figure `which` (a key of FIGURES)."""
-    if which not in FIGURES:
-        raise ValueError(f"unknown mean-estimation figure {which!r}; known: {sorted(FIGURES)}")
-    FIGURES[which](results, out_png, out_pdf)

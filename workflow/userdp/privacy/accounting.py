@@ -1,27 +1,28 @@
-"""Privacy accounting for DP-SGD-ELS and DP-SGD-ULS (user-level, add/remove one user).
+"""Privacy accounting of dp-accounting events, on its privacy-loss-distribution (PLD) code.
 
-Three accountants, all on dp-accounting's privacy-loss-distribution (PLD) code:
+`epsilon(event, delta)` is the accountant: it takes the event a mechanism
+describes (`mechanism.ELS` / `mechanism.ULS`, `docs/method.md` section 6) and
+composes its parts, as dp-accounting's `PLDAccountant` does, with two
+changes that only make it faster:
 
-* ``els`` (the study's tight user-level accountant): a user holding G examples
-  has K ~ Binomial(G, q) of them in a Poisson-sampled step, so one step is the
-  mixture-of-Gaussians (MoG) mechanism with noise sigma, sensitivities
-  0..G and probabilities Binomial(G, q).pmf, composed T times.
-* ``uls``: the Poisson-subsampled Gaussian at the user level (rate q_u),
-  composed T times.
-* ``group``: the example-level Poisson-subsampled Gaussian converted to G
-  users by group privacy, (G eps_ex, G e^{(G-1) eps_ex} delta_ex). Used only
-  for the comparison figure: it shows how much noise the tight accountant saves.
+* one step of DP-SGD-ELS is the mixture-of-Gaussians (MoG) mechanism with
+  sensitivities 0..G and probabilities Binomial(G, q).pmf. dp-accounting
+  builds the MoG PLD with a recursive, scalar binary search
+  (`MixtureGaussianPrivacyLoss.inverse_privacy_losses`), 2-5 s per call at
+  discretization 1e-4. `_FastMixtureGaussianPrivacyLoss` runs the same
+  bisection (same midpoints, same stopping rule, same floor to the precision
+  grid) for all privacy losses at once with numpy, so the PLD it builds is
+  the one dp-accounting builds, in a fraction of the time; the far binomial
+  tail is lumped onto the largest sensitivity (`prune_mixture`, a valid upper
+  bound). The Poisson-subsampled Gaussian (ULS) is the MoG {0: 1 - q, 1: q}
+  and takes the same path.
+* identical step events are composed by one self-composition (k runs of T
+  steps of the same step are k * T steps), and fixed releases (the DP
+  contribution statistics' `LaplaceDpEvent`) are composed last.
 
-Events (`els_event`, `uls_event`) are the dp-accounting descriptions of what
-ran; the ledger records them and `compute_epsilon` accounts for them.
-
-Speed. dp-accounting builds the MoG PLD with a recursive, scalar binary search
-(`MixtureGaussianPrivacyLoss.inverse_privacy_losses`), which costs 2-5 s per
-accountant call at discretization 1e-4. `_FastMixtureGaussianPrivacyLoss`
-runs the same bisection (same midpoints, same stopping rule, same floor to
-the precision grid) for all privacy losses at once with numpy, so the PLD it
-builds is the one dp-accounting builds, in a fraction of the time. Tests
-compare the two on a grid of (sigma, q, T, G).
+`group_privacy_epsilon` is the comparison baseline: the example-level
+guarantee converted to G examples by group privacy. Tests compare every path
+with dp-accounting's own accountant on a grid of (sigma, q, T, G).
 """
 
 from __future__ import annotations
@@ -39,25 +40,14 @@ from dp_accounting.pld import privacy_loss_mechanism as plm
 
 from ..errors import PrivacyError
 
-METHODS = ("els", "uls")
-ACCOUNTANTS = ("els", "uls", "group")
-
 #: Discretization of the privacy loss at which epsilons are reported.
 FINE_DISCRETIZATION = 1e-4
-
-#: Name written to plans and ledgers.
-ACCOUNTANT_NAMES = {
-    "els": "pld_mixture_of_gaussians",
-    "uls": "pld_poisson_subsampled_gaussian",
-    "group": "pld_poisson_subsampled_gaussian+group_privacy",
-}
 
 
 # ---------------------------------------------------------------- argument checks
 
 
 def check_arguments(
-    method: str,
     noise_multiplier: float | None,
     sampling_rate: float,
     steps: int,
@@ -70,8 +60,6 @@ def check_arguments(
     Used by the library entry points and the command line, so a user sees
     "--sampling-rate must be in (0, 1]" rather than a dp-accounting traceback.
     """
-    if method not in ACCOUNTANTS:
-        raise PrivacyError(f"method is {method!r}; allowed: {', '.join(ACCOUNTANTS)}.")
     if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
         raise PrivacyError(f"noise multiplier is {noise_multiplier}; it must be a finite number >= 0.")
     if not (0 < sampling_rate <= 1):
@@ -100,43 +88,42 @@ def binomial_sensitivities(group_size: int, sampling_rate: float) -> tuple[list[
 TAIL_MASS = 1e-30
 
 
-def pruned_binomial_sensitivities(
-    group_size: int, sampling_rate: float, tail_mass: float = TAIL_MASS
+def prune_mixture(
+    sensitivities: Iterable[float], probabilities: Iterable[float], tail_mass: float = TAIL_MASS
 ) -> tuple[list[float], list[float]]:
-    """Binomial(G, q) sensitivities with the far tail moved onto sensitivity G.
+    """MoG components with the far tail moved onto the largest sensitivity.
 
-    Components k > k_max, whose total probability is <= `tail_mass`, are
-    replaced by one component at sensitivity G carrying their mass. Moving
-    mass to a larger sensitivity can only make the mechanism less private (the
-    scalar MoG with sensitivities s is a projection, i.e. post-processing, of
-    a vector MoG whose sensitivity norms are s' >= s, which Corollary 4.7 of
+    Components (in increasing sensitivity) beyond k_max, whose total
+    probability is <= `tail_mass`, are replaced by one component at the
+    largest sensitivity carrying their mass. Moving mass to a larger
+    sensitivity can only make the mechanism less private (the scalar MoG with
+    sensitivities s is a projection, i.e. post-processing, of a vector MoG
+    whose sensitivity norms are s' >= s, which Corollary 4.7 of
     Choquette-Choo et al. 2023 bounds by the scalar MoG with s'), so the
     accountant stays a valid upper bound; with tail_mass = 1e-30 the change
     is invisible in double precision, and the PLD is built with a few
     components instead of G + 1 (3x faster at G = 64, q = 0.01).
     """
-    sens, probs = binomial_sensitivities(group_size, sampling_rate)
-    sf = stats.binom.sf(np.arange(group_size + 1), group_size, sampling_rate)  # P(K > k)
+    order = np.argsort(np.asarray(list(sensitivities), dtype=float), kind="stable")
+    sens = [float(x) for x in np.asarray(list(sensitivities), dtype=float)[order]]
+    probs = [float(x) for x in np.asarray(list(probabilities), dtype=float)[order]]
+    p = np.asarray(probs)
+    # P(K > k): sums of the probabilities above k, accumulated from the smallest (top) terms.
+    sf = np.append(np.cumsum(p[::-1])[::-1][1:], 0.0)
     below = np.nonzero(sf <= tail_mass)[0]
-    k_max = int(below[0]) if below.size else group_size
-    if k_max >= group_size - 1:
+    k_max = int(below[0]) if below.size else len(sens) - 1
+    if k_max >= len(sens) - 2:
         return sens, probs
     kept_s, kept_p = sens[: k_max + 1], probs[: k_max + 1]
     rest = 1.0 - math.fsum(kept_p)
-    return kept_s + [float(group_size)], kept_p + [max(rest, float(sf[k_max]))]
+    return kept_s + [sens[-1]], kept_p + [max(rest, float(sf[k_max]))]
 
 
-def els_event(noise_multiplier: float, sampling_rate: float, steps: int, group_size: int) -> dp_accounting.DpEvent:
-    """The T-step DP-SGD-ELS mechanism as seen by one user with G examples."""
-    sens, probs = binomial_sensitivities(group_size, sampling_rate)
-    step = dp_accounting.dp_event.MixtureOfGaussiansDpEvent(float(noise_multiplier), sens, probs)
-    return dp_accounting.SelfComposedDpEvent(step, int(steps))
-
-
-def uls_event(noise_multiplier: float, sampling_rate: float, steps: int) -> dp_accounting.DpEvent:
-    """The T-step DP-SGD-ULS mechanism: user-level Poisson-subsampled Gaussian."""
-    step = dp_accounting.PoissonSampledDpEvent(float(sampling_rate), dp_accounting.GaussianDpEvent(float(noise_multiplier)))
-    return dp_accounting.SelfComposedDpEvent(step, int(steps))
+def pruned_binomial_sensitivities(
+    group_size: int, sampling_rate: float, tail_mass: float = TAIL_MASS
+) -> tuple[list[float], list[float]]:
+    """Binomial(G, q) sensitivities with the far tail moved onto sensitivity G (`prune_mixture`)."""
+    return prune_mixture(*binomial_sensitivities(group_size, sampling_rate), tail_mass=tail_mass)
 
 
 # ---------------------------------------------------------------- fast MoG PLD
@@ -249,27 +236,89 @@ def _compose(step_pld: pld_lib.PrivacyLossDistribution, steps: int, discretizati
 
 
 @lru_cache(maxsize=256)
-def _composed_pld(kind: str, noise_multiplier: float, sampling_rate: float, steps: int, group_size: int, discretization: float):
-    """T-fold PLD for 'els' (MoG) or 'poisson' (subsampled Gaussian); cached per arguments."""
-    if kind == "els":
-        sens, probs = pruned_binomial_sensitivities(group_size, sampling_rate)
-        step = mixture_gaussian_pld(noise_multiplier, sens, probs, discretization)
-    elif kind == "poisson" and sampling_rate < 1:
-        # The Poisson-subsampled Gaussian is the MoG with sensitivities
-        # {0: 1 - q, 1: q}; the fast path (with the capped support) gives the
-        # same epsilons as dp-accounting's from_gaussian_mechanism to ~1e-9
-        # (tested) and is much faster at small sigma.
-        step = mixture_gaussian_pld(noise_multiplier, [0.0, 1.0], [1.0 - sampling_rate, sampling_rate], discretization)
-    elif kind == "poisson":
-        step = pld_lib.from_gaussian_mechanism(
-            standard_deviation=noise_multiplier,
-            value_discretization_interval=discretization,
-            sampling_prob=sampling_rate,
+def _composed_step_pld(step: tuple, steps: int, discretization: float):
+    """T-fold PLD of one step, keyed by `_step_key`; cached per arguments.
+
+    ("mog", sigma, sensitivities, probabilities): the fast MoG PLD of the
+    pruned mixture. ("poisson", sigma, q): the Poisson-subsampled Gaussian,
+    which is the MoG {0: 1 - q, 1: q} (the fast path, with the capped support,
+    gives the same epsilons as dp-accounting's from_gaussian_mechanism to
+    ~1e-9, tested, and is much faster at small sigma); at q = 1 the Gaussian.
+    """
+    kind, sigma = step[0], step[1]
+    if kind == "mog":
+        sens, probs = prune_mixture(step[2], step[3])
+        pld = mixture_gaussian_pld(sigma, sens, probs, discretization)
+    elif step[2] < 1:
+        q = step[2]
+        pld = mixture_gaussian_pld(sigma, [0.0, 1.0], [1.0 - q, q], discretization)
+    else:
+        pld = pld_lib.from_gaussian_mechanism(
+            standard_deviation=sigma, value_discretization_interval=discretization, sampling_prob=1.0,
             neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
         )
-    else:  # pragma: no cover - internal
-        raise ValueError(kind)
-    return _compose(step, steps, discretization)
+    return _compose(pld, steps, discretization)
+
+
+def _step_key(event: dp_accounting.DpEvent) -> tuple | None:
+    """Hashable description of one noisy step; None when the step adds no noise (no guarantee)."""
+    if isinstance(event, dp_accounting.dp_event.MixtureOfGaussiansDpEvent):
+        sigma = float(event.standard_deviation)
+        return ("mog", sigma, tuple(map(float, event.sensitivities)), tuple(map(float, event.sampling_probs))) \
+            if sigma > 0 else None
+    q = 1.0
+    inner = event
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        q, inner = float(event.sampling_probability), event.event
+    if isinstance(inner, dp_accounting.GaussianDpEvent):
+        sigma = float(inner.noise_multiplier)
+        return ("poisson", sigma, q) if sigma > 0 else None
+    raise PrivacyError(
+        f"DP event {event!r} is not supported; the accountant composes mixture-of-Gaussians, (Poisson-subsampled) "
+        "Gaussian and Laplace events."
+    )
+
+
+def _flatten(event: dp_accounting.DpEvent, count: int, steps: dict[tuple, int], fixed: list) -> bool:
+    """Collect noisy steps (key -> how many times) and fixed Laplace releases; False if anything is non-private."""
+    if isinstance(event, dp_accounting.NoOpDpEvent) or count == 0:
+        return True
+    if isinstance(event, dp_accounting.NonPrivateDpEvent):
+        return False
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return all([_flatten(e, count, steps, fixed) for e in event.events])
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return _flatten(event.event, count * int(event.count), steps, fixed)
+    if isinstance(event, dp_accounting.LaplaceDpEvent):
+        fixed.extend([event] * count)
+        return True
+    key = _step_key(event)
+    if key is None:
+        return False
+    steps[key] = steps.get(key, 0) + count
+    return True
+
+
+def epsilon(event: dp_accounting.DpEvent, delta: float, discretization: float = FINE_DISCRETIZATION) -> float:
+    """User-level epsilon at `delta` of `event` (pessimistic PLD at `discretization`, 1e-4 by default).
+
+    A non-private part (`NonPrivateDpEvent`, or a step without noise) gives
+    inf; no steps give the fixed releases' epsilon (0 without any).
+    """
+    if not (0 < delta < 1):
+        raise PrivacyError(f"delta is {delta}; it must be in (0, 1), e.g. 1e-6.")
+    steps: dict[tuple, int] = {}
+    fixed: list = []
+    if not _flatten(event, 1, steps, fixed):
+        return math.inf
+    extra = tuple(fixed)
+    if not steps:
+        return fixed_events_epsilon(extra, delta, discretization)
+    pld = None
+    for key, n in steps.items():
+        part = _composed_step_pld(key, int(n), float(discretization))
+        pld = part if pld is None else pld.compose(part)
+    return _epsilon_of(pld, extra, delta, float(discretization))
 
 
 # ---------------------------------------------------------------- fixed extra events
@@ -317,38 +366,6 @@ def _epsilon_of(pld, extra_events: tuple, delta: float, discretization: float) -
     return float(pld.get_epsilon_for_delta(delta))
 
 
-def _trivial(noise_multiplier: float, steps: int, extra_events: tuple = (), delta: float = 0.5,
-             discretization: float = FINE_DISCRETIZATION) -> float | None:
-    """Epsilon of the degenerate cases: no steps -> the fixed events' epsilon (0 without), no noise -> inf."""
-    if noise_multiplier == 0 and steps != 0:
-        return math.inf
-    if steps == 0:
-        return fixed_events_epsilon(extra_events, delta, discretization)
-    return None
-
-
-def els_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size, discretization=FINE_DISCRETIZATION,
-                extra_events: tuple = ()) -> float:
-    """Tight user-level epsilon of DP-SGD-ELS (MoG accountant), composed with `extra_events` if any."""
-    extra = tuple(extra_events)
-    triv = _trivial(noise_multiplier, steps, extra, delta, discretization)
-    if triv is not None:
-        return triv
-    pld = _composed_pld("els", float(noise_multiplier), float(sampling_rate), int(steps), int(group_size), float(discretization))
-    return _epsilon_of(pld, extra, delta, float(discretization))
-
-
-def uls_epsilon(noise_multiplier, sampling_rate, steps, delta, discretization=FINE_DISCRETIZATION,
-                extra_events: tuple = ()) -> float:
-    """User-level epsilon of DP-SGD-ULS (Poisson-subsampled Gaussian over users), composed with `extra_events`."""
-    extra = tuple(extra_events)
-    triv = _trivial(noise_multiplier, steps, extra, delta, discretization)
-    if triv is not None:
-        return triv
-    pld = _composed_pld("poisson", float(noise_multiplier), float(sampling_rate), int(steps), 1, float(discretization))
-    return _epsilon_of(pld, extra, delta, float(discretization))
-
-
 def group_privacy_epsilon(
     noise_multiplier, sampling_rate, steps, delta, group_size, discretization=FINE_DISCRETIZATION
 ) -> float:
@@ -360,11 +377,13 @@ def group_privacy_epsilon(
     G e^{(G-1) eps_ex} delta_ex(eps_ex) <= delta, found by bisection on eps_ex
     and rounded up (so the answer is a valid bound).
     """
-    triv = _trivial(noise_multiplier, steps)
-    if triv is not None:
-        return triv
+    check_arguments(noise_multiplier, sampling_rate, steps, delta, group_size)
+    if noise_multiplier == 0 and steps != 0:
+        return math.inf
+    if steps == 0:
+        return 0.0
     G = int(group_size)
-    pld = _composed_pld("poisson", float(noise_multiplier), float(sampling_rate), int(steps), 1, float(discretization))
+    pld = _composed_step_pld(("poisson", float(noise_multiplier), float(sampling_rate)), int(steps), float(discretization))
     if G == 1:
         return float(pld.get_epsilon_for_delta(delta))
 
@@ -390,58 +409,6 @@ def group_privacy_epsilon(
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return G * hi
-
-
-# ---------------------------------------------------------------- public entry point
-
-
-def compute_epsilon(
-    method: str,
-    noise_multiplier: float,
-    sampling_rate: float,
-    steps: int,
-    delta: float,
-    group_size: int = 1,
-    *,
-    discretization: float = FINE_DISCRETIZATION,
-    extra_events: Iterable[dp_accounting.DpEvent] = (),
-) -> float:
-    """User-level epsilon at `delta` of T steps of DP-SGD with the given mechanism.
-
-    method: 'els' (tight MoG accountant with G = group_size), 'uls'
-    (user-level Poisson-subsampled Gaussian; group_size does not enter) or
-    'group' (ELS through group privacy, for comparison only).
-    Pessimistic PLD estimate at `discretization` (1e-4 by default).
-    noise_multiplier 0 gives inf, steps 0 gives 0 (or the extra events' epsilon).
-    extra_events: fixed releases composed with the T steps in the same PLD
-    (`LaplaceDpEvent`s, e.g. the DP contribution statistics); the result is
-    the epsilon of `ComposedDpEvent([*extra_events, training event])`.
-    """
-    check_arguments(method, noise_multiplier, sampling_rate, steps, delta, group_size)
-    extra = tuple(extra_events)
-    if method == "els":
-        return els_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size, discretization, extra)
-    if method == "uls":
-        return uls_epsilon(noise_multiplier, sampling_rate, steps, delta, discretization, extra)
-    if extra:
-        raise PrivacyError("the group-privacy accountant is for the comparison figure only; it takes no extra events.")
-    return group_privacy_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size, discretization)
-
-
-def total_event(
-    method: str, noise_multiplier: float, sampling_rate: float, steps: int, group_size: int = 1,
-    extra_events: Iterable[dp_accounting.DpEvent] = (),
-) -> dp_accounting.DpEvent:
-    """The whole run as one dp-accounting event: the fixed releases composed with the T training steps."""
-    train = (els_event(noise_multiplier, sampling_rate, steps, group_size) if method == "els"
-             else uls_event(noise_multiplier, sampling_rate, steps))
-    extra = list(extra_events)
-    return dp_accounting.ComposedDpEvent([*extra, train]) if extra else train
-
-
-def accountant_name(method: str) -> str:
-    """The accountant's name as written in plans and ledgers."""
-    return ACCOUNTANT_NAMES[method]
 
 
 def library_versions() -> dict[str, str]:

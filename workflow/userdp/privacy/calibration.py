@@ -1,6 +1,6 @@
 """Noise calibration: the smallest noise multiplier that meets (epsilon, delta).
 
-Contract (method.md section 6): sigma is the smallest noise multiplier whose
+Contract (docs/method.md section 6): sigma is the smallest noise multiplier whose
 accounted epsilon at delta (pessimistic PLD estimate at the fine
 discretization 1e-4) is <= the target, to relative tolerance `tolerance`
 (1e-3) in sigma. The answer is certified at the fine discretization: sigma
@@ -36,14 +36,14 @@ import math
 import time
 from typing import Callable, Sequence
 
-import numpy as np
-from scipy import optimize, special, stats
+from scipy import optimize, stats
 
 import dp_accounting
 
 from ..errors import PrivacyError
 from . import accounting
 from .accounting import FINE_DISCRETIZATION, check_arguments
+from .mechanism import Mechanism
 
 log = logging.getLogger(__name__)
 
@@ -78,49 +78,26 @@ class CalibrationResult:
 # ---------------------------------------------------------------- initial guess
 
 
-def _log_chi2_step(method: str, sigma: float, q: float, G: int) -> float:
-    """log of the chi-square divergence of one step (closed form).
-
-    MoG with sensitivities k ~ Binomial(G, q) against N(0, sigma^2):
-    chi2 = sum_{j,k} p_j p_k (exp(j k / sigma^2) - 1); the subsampled Gaussian
-    is the case G = 1: q^2 (exp(1/sigma^2) - 1).
-    """
-    if method == "uls" or G == 1:
-        return 2 * math.log(q) + math.log(math.expm1(min(1 / sigma**2, 700)))
-    sens, probs = accounting.pruned_binomial_sensitivities(G, q)
-    s = np.asarray(sens)
-    lp = np.log(np.maximum(np.asarray(probs), 1e-300))
-    jk = np.outer(s, s) / sigma**2
-    # log(exp(jk) - 1) for jk > 0; the j*k = 0 terms contribute nothing.
-    mask = jk > 0
-    terms = lp[:, None] + lp[None, :] + np.where(mask, np.log(np.expm1(np.minimum(jk, 700)) + 1e-300), -np.inf)
-    return float(special.logsumexp(terms[mask]))
-
-
 def _gdp_delta(mu: float, eps: float) -> float:
     """delta(eps) of mu-GDP."""
     return float(stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2))
 
 
-def initial_guess(method: str, epsilon: float, delta: float, q: float, T: int, G: int) -> float:
+def initial_guess(mechanism: Mechanism, epsilon: float, delta: float) -> float:
     """Rough sigma from the CLT (mu-GDP) approximation of T composed steps.
 
-    Only a starting point for the search (it is typically within 10-30%).
-    For the group-privacy accountant: the example-level target (eps/G,
-    delta / (G e^{(G-1) eps / G})) with the subsampled Gaussian.
+    Only a starting point for the search (it is typically within 10-30%):
+    the per-step chi-square divergence (`Mechanism.log_chi2_step`, closed
+    form) that T steps compose to the mu of mu-GDP meeting (epsilon, delta).
+    The group-privacy baseline aims at its example-level target
+    (`Mechanism.calibration_target`).
     """
-    kind = method
-    if method == "group":
-        if G > 1:
-            eps_ex = epsilon / G
-            delta = delta / (G * math.exp((G - 1) * eps_ex))
-            epsilon = eps_ex
-        kind, G = "uls", 1
+    mech, epsilon, delta = mechanism.calibration_target(epsilon, delta)
     try:
         # mu* with delta_mu(epsilon) = delta (delta increases with mu).
         log_mu = optimize.brentq(lambda lm: math.log(max(_gdp_delta(math.exp(lm), epsilon), 1e-300)) - math.log(delta), -12, 6)
-        target_log_chi2 = 2 * log_mu - math.log(T)
-        f = lambda ls: _log_chi2_step(kind, math.exp(ls), q, G) - target_log_chi2  # noqa: E731
+        target_log_chi2 = 2 * log_mu - math.log(mech.steps)
+        f = lambda ls: mech.log_chi2_step(math.exp(ls)) - target_log_chi2  # noqa: E731
         lo, hi = math.log(1e-2), math.log(1e4)
         # No root in the bracket: start at the end the target lies beyond (a
         # start at a tiny sigma against a large sensitivity makes PLDs huge).
@@ -237,14 +214,9 @@ class _Level:
 # ---------------------------------------------------------------- public entry point
 
 
-def _epsilon_fn(method: str, delta: float, q: float, T: int, G: int, d: float, extra: tuple = ()) -> Callable[[float], float]:
-    if method == "els":
-        f = lambda s: accounting.els_epsilon(s, q, T, delta, G, d, extra)  # noqa: E731
-    elif method == "uls":
-        f = lambda s: accounting.uls_epsilon(s, q, T, delta, d, extra)  # noqa: E731
-    else:
-        f = lambda s: accounting.group_privacy_epsilon(s, q, T, delta, G, d)  # noqa: E731
-    return _infeasible_on_failure(f)
+def _epsilon_fn(mechanism: Mechanism, delta: float, d: float, extra: tuple = ()) -> Callable[[float], float]:
+    return _infeasible_on_failure(
+        lambda s: mechanism.epsilon(s, delta, extra_events=extra, discretization=d))
 
 
 def _infeasible_on_failure(f: Callable[[float], float]) -> Callable[[float], float]:
@@ -267,12 +239,9 @@ def _infeasible_on_failure(f: Callable[[float], float]) -> Callable[[float], flo
 
 
 def calibrate(
-    method: str,
+    mechanism: Mechanism,
     epsilon: float,
     delta: float,
-    sampling_rate: float,
-    steps: int,
-    group_size: int = 1,
     *,
     tolerance: float = DEFAULT_TOLERANCE,
     max_noise_multiplier: float = DEFAULT_MAX_NOISE,
@@ -280,10 +249,10 @@ def calibrate(
     cell: str | None = None,
     extra_events: Sequence[dp_accounting.DpEvent] = (),
 ) -> CalibrationResult:
-    """Smallest noise multiplier meeting (epsilon, delta) for `method`.
+    """Smallest noise multiplier meeting (epsilon, delta) for `mechanism`.
 
-    method: 'els' (tight MoG accountant), 'uls', or 'group' (ELS by group
-    privacy; comparison only). epsilon = inf returns sigma = 0 (the
+    mechanism: `mechanism.ELS` (tight MoG accountant), `ULS`, or
+    `GroupPrivacyELS` (comparison only). epsilon = inf returns sigma = 0 (the
     non-private reference). Raises PrivacyError, naming `cell` when given, if
     no sigma up to `max_noise_multiplier` meets the target.
 
@@ -296,16 +265,16 @@ def calibrate(
     """
     start = time.perf_counter()
     where = f" for {cell}" if cell else ""
-    check_arguments(method, None, sampling_rate, steps, delta, group_size, epsilon=epsilon)
+    T, G, q = int(mechanism.steps), int(mechanism.group_size), float(mechanism.sampling_rate)
+    check_arguments(None, q, T, delta, G, epsilon=epsilon)
     if not (0 < tolerance < 0.5):
         raise PrivacyError(f"calibration tolerance is {tolerance}; it must be in (0, 0.5), e.g. 1e-3.")
-    T, G, q = int(steps), int(group_size), float(sampling_rate)
     extra = tuple(extra_events)
-    if extra and method == "group":
-        raise PrivacyError("the group-privacy accountant is for the comparison figure only; it takes no extra events.")
+    if extra:
+        mechanism.epsilon(1.0, delta, steps=0, extra_events=extra)  # refuses events this mechanism cannot compose
     base = dict(
-        method=method, epsilon=float(epsilon), delta=float(delta), sampling_rate=q, steps=T, group_size=G,
-        accountant=accounting.accountant_name(method), tolerance=tolerance, discretization=discretization,
+        method=mechanism.name, epsilon=float(epsilon), delta=float(delta), sampling_rate=q, steps=T, group_size=G,
+        accountant=mechanism.accountant, tolerance=tolerance, discretization=discretization,
     )
     fixed_eps = accounting.fixed_events_epsilon(extra, delta, discretization) if extra else 0.0
     if math.isinf(epsilon) or T == 0:
@@ -330,12 +299,12 @@ def calibrate(
     # With fixed releases the training part gets roughly what they leave
     # (composition at a fixed delta is sub-additive, so this guess is high);
     # only a starting point.
-    guess = min(initial_guess(method, epsilon - fixed_eps, delta, q, T, G), max_noise_multiplier)
+    guess = min(initial_guess(mechanism, epsilon - fixed_eps, delta), max_noise_multiplier)
     slope = -1.0
     counts: dict[str, int] = {}
     prev: _Level | None = None
     for d, rtol, name in levels:
-        lvl = _Level(_epsilon_fn(method, delta, q, T, G, d, extra), epsilon, slope, name)
+        lvl = _Level(_epsilon_fn(mechanism, delta, d, extra), epsilon, slope, name)
         if prev is None:
             lvl.probe(guess)
         else:
@@ -345,14 +314,13 @@ def calibrate(
         counts[f"d={d:g}"] = lvl.calls
         if lvl.hi is None:
             # Infeasible up to the maximum at this level; confirm at the fine level.
-            fine = _epsilon_fn(method, delta, q, T, G, discretization, extra)(max_noise_multiplier)
+            fine = _epsilon_fn(mechanism, delta, discretization, extra)(max_noise_multiplier)
             if fine > epsilon:
                 fixed_note = (f" That epsilon includes fixed releases worth {fixed_eps:.4g} on their own "
                               "(the DP contribution statistics)." if extra else "")
                 raise PrivacyError(
                     f"no noise multiplier up to privacy.max_noise_multiplier = {max_noise_multiplier:g} reaches "
-                    f"epsilon = {epsilon:g} at delta = {delta:.3g}{where} ({method.upper()}, sampling rate "
-                    f"{q:.4g}, {T} steps, G = {G}): sigma = {max_noise_multiplier:g} gives epsilon = {fine:.4g}."
+                    f"epsilon = {epsilon:g} at delta = {delta:.3g}{where} ({mechanism.describe()}): sigma = {max_noise_multiplier:g} gives epsilon = {fine:.4g}."
                     f"{fixed_note} "
                     "The target is too strict for this sampling rate and step count: lower the sampling rate (in the "
                     "pipeline: more steps for the same compute budget, or a smaller budget, both give smaller "
@@ -373,6 +341,6 @@ def calibrate(
     )
     log.info(
         "calibrated %s%s: sigma=%.6g (eps=%.6g <= %.6g, delta=%.3g, q=%.4g, T=%d, G=%d) in %.2fs, calls %s",
-        method, where, sigma, eps_achieved, epsilon, delta, q, T, G, result.seconds, counts,
+        mechanism.name, where, sigma, eps_achieved, epsilon, delta, q, T, G, result.seconds, counts,
     )
     return result

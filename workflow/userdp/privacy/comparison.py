@@ -13,6 +13,7 @@ of the noise that group privacy would add to ELS as G grows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Sequence
@@ -20,7 +21,7 @@ from typing import Sequence
 import pandas as pd
 
 from ..errors import PrivacyError
-from .accounting import accountant_name
+from . import mechanism
 from .calibration import calibrate
 
 log = logging.getLogger(__name__)
@@ -52,15 +53,17 @@ def noise_vs_group_size(
     for eps in epsilons:
         for G in group_sizes:
             for kind in ("els", "group", "uls"):
+                mech_cls = mechanism.get(kind, comparison=True)
                 t0 = time.perf_counter()
                 if kind == "uls" and eps in uls_cache:
                     sigma, achieved, err = uls_cache[eps]
                 else:
                     try:
-                        r = calibrate(
-                            kind, float(eps), delta, sampling_rate, steps, 1 if kind == "uls" else int(G),
-                            tolerance=tolerance, max_noise_multiplier=max_noise_multiplier,
-                        )
+                        # ULS accounting ignores G (a user is one clipped unit): calibrate it as G = 1.
+                        mech = mech_cls(sampling_rate, int(steps), int(G))
+                        mech = dataclasses.replace(mech, group_size=mech.accounting_group_size)
+                        r = calibrate(mech, float(eps), delta, tolerance=tolerance,
+                                      max_noise_multiplier=max_noise_multiplier)
                         sigma, achieved, err = r.noise_multiplier, r.epsilon_achieved, None
                     except PrivacyError as exc:
                         sigma, achieved, err = float("nan"), float("nan"), str(exc)
@@ -69,7 +72,7 @@ def noise_vs_group_size(
                 rows.append(
                     {
                         "accountant": kind,
-                        "accountant_name": accountant_name(kind),
+                        "accountant_name": mech_cls.accountant,
                         "label": ACCOUNTANT_LABELS[kind],
                         "epsilon": float(eps),
                         "group_size": int(G),

@@ -1,4 +1,4 @@
-"""Differentially private contribution statistics for choosing G (method.md section 7).
+"""Differentially private contribution statistics for choosing G (docs/method.md section 7).
 
 The G rules (ELS median, ULS predicted SNR) read the train users' example
 counts n_u, which are private. By default they are treated as public, as in
@@ -23,7 +23,8 @@ only this release instead:
   rounded to integers and clipped at 0 (`weights`); the rules then read the
   weights alone.
 
-The rules on the histogram (`NoisyHistogram`): the p-quantile is the LOWER
+The rules on the histogram (`NoisyHistogram`, a `contributions.Contributions`
+like the exact counts, with the same definitions): the p-quantile is the LOWER
 edge 2^k of the first bin whose cumulative weight reaches p * total; the ELS
 median rule takes G = that edge at p = 1/2; the SNR rule takes candidates
 G = 1, 2, 4, ... up to the edge at `snr_max_quantile` and evaluates
@@ -45,6 +46,7 @@ import numpy as np
 import dp_accounting
 
 from ..errors import ConfigError, DataError, PrivacyError
+from .contributions import Contributions
 
 MECHANISM = "laplace_histogram_log2"
 
@@ -142,7 +144,7 @@ def release_for_dataset(counts: Sequence[int] | np.ndarray, settings_cfg: dict, 
     """
     import secrets
 
-    from ..training.sampling import derive_seed
+    from ..seeding import derive_seed
 
     st = settings({"contribution_stats": dict(settings_cfg, private=True)})
     assert st is not None
@@ -154,8 +156,8 @@ def release_for_dataset(counts: Sequence[int] | np.ndarray, settings_cfg: dict, 
 
 
 @dataclasses.dataclass
-class NoisyHistogram:
-    """The released histogram after post-processing, and the G rules on it."""
+class NoisyHistogram(Contributions):
+    """The released histogram after post-processing; the G rules read it through `Contributions`."""
 
     lower_edges: np.ndarray  # [K] int64, 2^k
     weights: np.ndarray      # [K] float, max(0, round(noisy count))
@@ -179,48 +181,12 @@ class NoisyHistogram:
         return cls(edges, np.maximum(np.round(noisy), 0.0), eps, file)
 
     @property
-    def total(self) -> float:
-        return float(self.weights.sum())
+    def dp_events(self) -> tuple[dp_accounting.DpEvent, ...]:
+        """The release's Laplace event, composed into every cell's epsilon."""
+        return (laplace_event(self.epsilon),)
 
     def dp_event(self) -> dp_accounting.DpEvent:
         return laplace_event(self.epsilon)
-
-    def quantile(self, p: float) -> int:
-        """Lower edge of the first bin whose cumulative weight reaches p * total (1 if empty)."""
-        if self.total <= 0:
-            return 1
-        cum = np.cumsum(self.weights)
-        k = int(np.searchsorted(cum, p * self.total - 1e-9 * self.total, side="left"))
-        return int(self.lower_edges[min(k, self.lower_edges.size - 1)])
-
-    def median_group_size(self) -> int:
-        """ELS median rule: the lower edge 2^k of the bin holding the noisy median."""
-        return max(1, self.quantile(0.5))
-
-    def snr_candidates(self, max_quantile: float) -> list[int]:
-        """Powers of two from 1 up to the noisy `max_quantile` quantile (a bin edge)."""
-        cap = max(1, self.quantile(max_quantile))
-        out, g = [], 1
-        while g <= cap:
-            out.append(g)
-            g *= 2
-        return out
-
-    def _mean(self, values: np.ndarray) -> float:
-        if self.total <= 0:
-            return float(values[0])  # empty release: every user at the first bin's edge (n = 1)
-        return float((self.weights * values).sum() / self.total)
-
-    def mean_bounded(self, group_size: int) -> float:
-        """mbar_G predicted from the histogram (users at their bin's lower edge)."""
-        return self._mean(np.minimum(self.lower_edges, int(group_size)).astype(float))
-
-    def mean_survival(self, group_size: int, noise_ratio: float) -> float:
-        """mean_u rho(min(n_u, G)) predicted from the histogram."""
-        from .group_size import clipping_survival
-
-        m = np.minimum(self.lower_edges, int(group_size)).astype(float)
-        return self._mean(clipping_survival(m, noise_ratio))
 
     def record(self) -> dict[str, Any]:
         """What plans and ledgers store about the release (enough to rebuild its DP event)."""

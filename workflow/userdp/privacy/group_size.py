@@ -1,80 +1,43 @@
-"""Choosing the contribution bound G (method.md section 7).
+"""Choosing the contribution bound G (docs/method.md section 7).
 
-* ELS (the study's heuristic): G = median of the train users' example counts
-  (rounded up to a whole number).
+* ELS (the study's heuristic): G = the median of the train users' example
+  counts (`Contributions.median_group_size`: the lower median, a count some
+  user has).
 * ULS: this project's instantiation of the study's noise/utility prediction,
   the predicted signal-to-noise ratio
       SNR(G) = M(G) * mean_u rho(min(n_u, G)) / sigma(G),
-  with M(G) = K / (T * mbar_G) users per step under the compute budget,
-  sigma(G) the calibrated ULS noise at q_u = M(G) / N, and
-  rho(m) = 1 / sqrt(1 + r / m) the fraction of an average of m example
-  gradients that survives clipping when the per-example gradient
+  with M(G) = K / (T * mbar_G) users per step under the compute budget
+  (`ULS.sampling_for_budget`), sigma(G) the calibrated ULS noise at
+  q_u = M(G) / N, and rho(m) = 1 / sqrt(1 + r / m) the fraction of an average
+  of m example gradients that survives clipping when the per-example gradient
   noise-to-signal ratio is r (`privacy.group_size.snr_noise_ratio`).
   Candidates are powers of two up to the `snr_max_quantile` quantile of the
   counts; the argmax wins (ties: the smaller G).
 * An explicit integer G, or a G sweep, bypasses both rules.
 
-The counts are statistics of private data. Like the study we treat them as
-public by default (docs/privacy.md says so); dataset sizes are treated as
-public too. With `privacy.contribution_stats.private` the rules read a DP
-histogram of the counts instead (`contribution_stats.NoisyHistogram`).
+The rules read the counts through `contributions.Contributions`: the exact
+counts (treated as public by default, like the study; docs/privacy.md says
+so) or, with `privacy.contribution_stats.private`, the DP histogram. Dataset
+sizes (N, and N_G of the chosen G) are treated as public either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Sequence
-
-import numpy as np
-
-from ..errors import PrivacyError
+from ..errors import ConfigError, PrivacyError
 from .calibration import calibrate
-
-if TYPE_CHECKING:
-    from .contribution_stats import NoisyHistogram
-
-
-@dataclasses.dataclass(frozen=True)
-class BoundedStats:
-    """The pool after bounding each user to G examples."""
-
-    group_size: int
-    n_users: int
-    n_examples: int  # N_G = sum_u min(n_u, G)
-    mean_contribution: float  # mbar_G = N_G / N
+from .contributions import Contributions
+from .mechanism import ULS
 
 
-def bounded_stats(counts: Sequence[int] | np.ndarray, group_size: int) -> BoundedStats:
-    """N_G and mbar_G for contribution bound G."""
-    c = np.asarray(counts, dtype=np.int64)
-    if c.size == 0:
-        raise PrivacyError("no train users: cannot bound contributions or plan a run.")
-    m = np.minimum(c, int(group_size))
-    return BoundedStats(int(group_size), int(c.size), int(m.sum()), float(m.mean()))
+#: The rule of each method when `privacy.group_size.<method>` is not given (the schema's defaults).
+DEFAULT_RULES = {"els": "median", "uls": "snr"}
 
 
-def median_group_size(counts: Sequence[int] | np.ndarray) -> int:
-    """ELS heuristic: the median number of examples per train user, rounded up."""
-    c = np.asarray(counts, dtype=float)
-    if c.size == 0:
-        raise PrivacyError("no train users: the median contribution is undefined.")
-    return max(1, int(math.ceil(float(np.median(c)))))
-
-
-def snr_candidates(counts: Sequence[int] | np.ndarray, max_quantile: float) -> list[int]:
-    """Powers of two from 1 up to the `max_quantile` quantile of the counts."""
-    cap = max(1.0, float(np.quantile(np.asarray(counts, dtype=float), max_quantile)))
-    out, g = [], 1
-    while g <= cap:
-        out.append(g)
-        g *= 2
-    return out
-
-
-def clipping_survival(m: np.ndarray | float, noise_ratio: float) -> np.ndarray:
-    """rho(m) = 1 / sqrt(1 + r / m): the signal kept by clipping an average of m gradients."""
-    return 1.0 / np.sqrt(1.0 + noise_ratio / np.asarray(m, dtype=float))
+def rule_for(privacy: dict, method: str):
+    """The configured G rule of `method`: "median", "snr" or an integer."""
+    return (privacy.get("group_size") or {}).get(method, DEFAULT_RULES[method])
 
 
 @dataclasses.dataclass
@@ -86,7 +49,8 @@ class SnrChoice:
 
 
 def snr_group_size(
-    counts: Sequence[int] | np.ndarray,
+    contributions: Contributions,
+    n_users: int,
     compute_budget: float,
     steps: int,
     epsilon: float,
@@ -97,26 +61,19 @@ def snr_group_size(
     tolerance: float = 1e-3,
     max_noise_multiplier: float = 500.0,
     cell: str | None = None,
-    histogram: "NoisyHistogram | None" = None,
-    extra_events: Sequence = (),
 ) -> SnrChoice:
     """ULS rule: the G in the candidates with the largest predicted SNR.
 
     Candidates whose cohort sampling rate would exceed 1, or whose epsilon no
     noise level reaches, are skipped (and listed with their reason).
-    histogram: the DP contribution statistics; when given, candidates,
-    mbar_G and mean rho(min(n_u, G)) come from it alone and `counts` only
-    gives N (a public dataset size). extra_events: fixed releases composed
-    into each candidate's sigma (the statistics' Laplace event).
+    n_users: N, a public dataset size. The fixed releases of the statistics
+    (`contributions.dp_events`) are composed into each candidate's sigma.
     """
-    c = np.asarray(counts, dtype=np.int64)
-    N = c.size
     table: list[dict] = []
-    candidates = histogram.snr_candidates(max_quantile) if histogram is not None else snr_candidates(c, max_quantile)
-    for G in candidates:
-        mean_contribution = histogram.mean_bounded(G) if histogram is not None else bounded_stats(c, G).mean_contribution
-        M = compute_budget / (steps * mean_contribution)
-        q_u = M / N
+    for G in contributions.group_size_candidates(max_quantile):
+        mean_contribution = contributions.mean_bounded(G)
+        s = ULS.sampling_for_budget(compute_budget, steps, n_users, 0, mean_contribution)
+        M, q_u = s.expected_batch, s.sampling_rate
         row = {"group_size": G, "mean_bounded_contribution": mean_contribution, "expected_batch": M, "sampling_rate": q_u}
         if q_u > 1:
             row.update(noise_multiplier=None, snr=None, skipped="sampling rate > 1")
@@ -130,16 +87,15 @@ def snr_group_size(
                 # discretization 1e-4: calibrate at 1e-3 (pessimistic, ~10x
                 # cheaper). The chosen G is calibrated again at full precision.
                 sigma = calibrate(
-                    "uls", epsilon, delta, q_u, steps, tolerance=max(tolerance, 3e-3),
-                    max_noise_multiplier=max_noise_multiplier, discretization=1e-3, extra_events=extra_events,
+                    ULS(q_u, int(steps)), epsilon, delta, tolerance=max(tolerance, 3e-3),
+                    max_noise_multiplier=max_noise_multiplier, discretization=1e-3,
+                    extra_events=contributions.dp_events,
                 ).noise_multiplier
             except PrivacyError as exc:
                 row.update(noise_multiplier=None, snr=None, skipped=str(exc))
                 table.append(row)
                 continue
-        survival = (histogram.mean_survival(G, noise_ratio) if histogram is not None
-                    else float(clipping_survival(np.minimum(c, G), noise_ratio).mean()))
-        signal = M * survival
+        signal = M * contributions.mean_survival(G, noise_ratio)
         snr = signal / sigma if sigma > 0 else math.inf
         row.update(noise_multiplier=sigma, snr=snr, skipped=None)
         table.append(row)
@@ -158,3 +114,46 @@ def snr_group_size(
     else:
         best = max(valid, key=lambda r: (r["snr"], -r["group_size"]))
     return SnrChoice(int(best["group_size"]), table)
+
+
+def choose_group_size(
+    method: str,
+    contributions: Contributions,
+    n_users: int,
+    privacy: dict,
+    *,
+    compute_budget: int,
+    steps: int,
+    epsilon: float,
+    delta: float,
+    explicit: int | None = None,
+    cell: str | None = None,
+) -> tuple[int, str, list[dict] | None]:
+    """(G, rule name, SNR candidate table or None) for one cell, by its rule in `privacy.group_size`."""
+    if explicit is not None:
+        return int(explicit), "explicit (grid.group_size_sweep)", None
+    gs = privacy.get("group_size", {}) or {}
+    rule = rule_for(privacy, method)
+    if isinstance(rule, bool) or not (isinstance(rule, int) or rule in ("median", "snr")):
+        raise ConfigError(f"privacy.group_size.{method} is {rule!r}; allowed: median, snr or an integer >= 1.")
+    if isinstance(rule, int):
+        return int(rule), f"fixed (privacy.group_size.{method} = {rule})", None
+    private_stats = bool(contributions.dp_events)
+    if rule == "median":
+        where = " (DP histogram, lower bin edge)" if private_stats else ""
+        return contributions.median_group_size(), f"median of train contributions{where}", None
+    if method != "uls":
+        raise ConfigError(
+            f"privacy.group_size.{method} is 'snr', but the SNR rule is defined for ULS (docs/privacy.md); "
+            "use 'median' or an integer for ELS."
+        )
+    choice = snr_group_size(
+        contributions, n_users, compute_budget, steps, epsilon, delta,
+        noise_ratio=float(gs.get("snr_noise_ratio", 1.0)),
+        max_quantile=float(gs.get("snr_max_quantile", 0.99)),
+        tolerance=float(privacy.get("calibration_tolerance", 1e-3)),
+        max_noise_multiplier=float(privacy.get("max_noise_multiplier", 500)),
+        cell=cell,
+    )
+    rule = "snr (predicted signal-to-noise, docs/privacy.md)"
+    return choice.group_size, rule + (" on the DP histogram" if private_stats else ""), choice.table

@@ -1,6 +1,6 @@
 """The planner: one grid cell (method, epsilon, compute budget K) -> a training plan.
 
-Given K and the step count T configured for the budget (method.md section 5):
+Given K and the step count T configured for the budget (docs/method.md section 5):
 
 * ELS: G by its rule, expected batch B = K / T examples, sampling rate
   q = B / N_G over the bounded pool of N_G examples.
@@ -20,20 +20,22 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import ConfigError, PrivacyError
-from . import accounting, contribution_stats
+from . import accounting, contribution_stats, mechanism
 from .calibration import calibrate
 from .contribution_stats import NoisyHistogram
-from .group_size import bounded_stats, median_group_size, snr_group_size
+from .contributions import Contributions, ExactCounts
+from .group_size import choose_group_size
+from .mechanism import Mechanism, Sampling
 
 
 def default_delta(n_train_users: int, exponent: float = 1.1) -> float:
-    """delta = 1 / N^exponent (method.md section 1)."""
+    """delta = 1 / N^exponent (docs/method.md section 1)."""
     return 1.0 / float(n_train_users) ** exponent
 
 
 def cell_label(dataset: str, method: str, epsilon: float, compute_budget: int, group_size: int | None = None) -> str:
     """How errors name a cell: the same axes as its plan path."""
-    from ..config import fmt_num
+    from ..layout import fmt_num
 
     label = f"cell dataset={dataset} method={method} eps={fmt_num(epsilon)} budget={compute_budget}"
     return label + (f" group={group_size}" if group_size else "")
@@ -47,57 +49,45 @@ def resolve_delta(privacy: dict, n_train_users: int) -> tuple[float, str]:
     return default_delta(n_train_users, exp), f"1/N_train_users^{exp:g}"
 
 
-def choose_group_size(
-    method: str,
-    counts: np.ndarray,
-    privacy: dict,
-    *,
-    compute_budget: int,
-    steps: int,
-    epsilon: float,
-    delta: float,
-    explicit: int | None = None,
-    cell: str | None = None,
-    histogram: NoisyHistogram | None = None,
-) -> tuple[int, str, list[dict] | None]:
-    """(G, rule name, SNR candidate table or None) for one cell.
-
-    histogram: the DP contribution statistics; when given, the median and SNR
-    rules read it instead of `counts` (which then only give N).
-    """
-    if explicit is not None:
-        return int(explicit), "explicit (grid.group_size_sweep)", None
-    gs = privacy.get("group_size", {}) or {}
-    rule = gs.get(method, "median" if method == "els" else "snr")
-    if isinstance(rule, bool) or not (isinstance(rule, int) or rule in ("median", "snr")):
-        raise ConfigError(f"privacy.group_size.{method} is {rule!r}; allowed: median, snr or an integer >= 1.")
-    if isinstance(rule, int):
-        return int(rule), f"fixed (privacy.group_size.{method} = {rule})", None
-    if rule == "median":
-        if histogram is not None:
-            return histogram.median_group_size(), "median of train contributions (DP histogram, lower bin edge)", None
-        return median_group_size(counts), "median of train contributions", None
-    if method == "els":
-        raise ConfigError(
-            "privacy.group_size.els is 'snr', but the SNR rule is defined for ULS (docs/privacy.md); "
-            "use 'median' or an integer for ELS."
+def _contributions(counts: np.ndarray, privacy: dict, stats: NoisyHistogram | None, cell: str,
+                   epsilons: tuple[float, ...]) -> Contributions:
+    """What the G rules read: the exact counts, or the DP histogram when the option is on (checked)."""
+    on = contribution_stats.settings(privacy) is not None
+    if on and stats is None:
+        raise PrivacyError(
+            f"{cell}: {contribution_stats.KEY}.private is true but no DP contribution statistics were given; "
+            "the plan rule reads them from results/data/{dataset}/contributions_dp.json (rule contribution_stats_dp)."
         )
-    choice = snr_group_size(
-        counts,
-        compute_budget,
-        steps,
-        epsilon,
-        delta,
-        noise_ratio=float(gs.get("snr_noise_ratio", 1.0)),
-        max_quantile=float(gs.get("snr_max_quantile", 0.99)),
-        tolerance=float(privacy.get("calibration_tolerance", 1e-3)),
-        max_noise_multiplier=float(privacy.get("max_noise_multiplier", 500)),
-        cell=cell,
-        histogram=histogram,
-        extra_events=(histogram.dp_event(),) if histogram is not None else (),
-    )
-    rule = "snr (predicted signal-to-noise, docs/privacy.md)"
-    return choice.group_size, rule + (" on the DP histogram" if histogram is not None else ""), choice.table
+    if stats is not None and not on:
+        raise PrivacyError(
+            f"{cell}: DP contribution statistics were given but {contribution_stats.KEY}.private is false; "
+            "turn the option on or plan without them."
+        )
+    if stats is None:
+        return ExactCounts(counts)
+    for i, eps in enumerate(dict.fromkeys(epsilons)):
+        contribution_stats.check_budget(stats.epsilon, eps, cell + ("" if i == 0 else " (reference epsilon for G)"))
+    return stats
+
+
+def _calibrate(mech: Mechanism, epsilon: float, delta: float, privacy: dict, extra: tuple, cell: str,
+               stats: NoisyHistogram | None) -> tuple[float, float, dict]:
+    """(sigma, epsilon achieved, the plan's calibration record) of a private cell."""
+    tolerance = float(privacy.get("calibration_tolerance", 1e-3))
+    try:
+        cal = calibrate(mech, epsilon, delta, tolerance=tolerance,
+                        max_noise_multiplier=float(privacy.get("max_noise_multiplier", 500)), cell=cell,
+                        extra_events=extra)
+    except PrivacyError as exc:
+        if stats is None:
+            raise
+        raise PrivacyError(
+            f"{exc} The DP contribution statistics ({contribution_stats.KEY}.epsilon = {stats.epsilon:g}) are "
+            f"composed into this cell's epsilon; a smaller {contribution_stats.KEY}.epsilon leaves more for training."
+        ) from exc
+    record = {"tolerance": tolerance, "discretization": cal.discretization, "noise_lower": cal.noise_lower,
+              "evaluations": cal.evaluations, "seconds": round(cal.seconds, 3)}
+    return cal.noise_multiplier, cal.epsilon_achieved, record
 
 
 def plan_cell(
@@ -113,7 +103,7 @@ def plan_cell(
     reference_epsilon: float | None = None,
     stats: NoisyHistogram | None = None,
 ) -> dict[str, Any]:
-    """The plan of one grid cell (the plan JSON of artifacts.md).
+    """The plan of one grid cell (the plan JSON of docs/artifacts.md, "Plans").
 
     counts: example counts n_u of the train users (their contributions).
     group_size: an explicit G (G-sweep cells); otherwise the configured rule.
@@ -128,124 +118,78 @@ def plan_cell(
     """
     counts = np.asarray(counts, dtype=np.int64)
     cell = cell_label(dataset, method, epsilon, compute_budget, group_size)
-    if method not in accounting.METHODS:
-        raise ConfigError(f"{cell}: method {method!r} is not one of {accounting.METHODS}.")
+    if method not in mechanism.METHODS:
+        raise ConfigError(f"{cell}: method {method!r} is not one of {tuple(mechanism.METHODS)}.")
     if steps < 1 or compute_budget < 1:
         raise ConfigError(f"{cell}: grid.budgets needs compute >= 1 and steps >= 1 (got {compute_budget}, {steps}).")
-    n_users = int(counts.size)
-    if n_users == 0:
+    if counts.size == 0:
         raise PrivacyError(f"{cell}: the dataset has no train users; check the data split.")
-    delta, delta_rule = resolve_delta(privacy, n_users)
+    delta, delta_rule = resolve_delta(privacy, int(counts.size))
     private = not math.isinf(epsilon)
     eps_for_g = epsilon if private or reference_epsilon is None else float(reference_epsilon)
-    stats_settings = contribution_stats.settings(privacy)
-    if stats_settings is not None and stats is None:
-        raise PrivacyError(
-            f"{cell}: {contribution_stats.KEY}.private is true but no DP contribution statistics were given; "
-            "the plan rule reads them from results/data/{dataset}/contributions_dp.json (rule contribution_stats_dp)."
-        )
-    if stats is not None and stats_settings is None:
-        raise PrivacyError(
-            f"{cell}: DP contribution statistics were given but {contribution_stats.KEY}.private is false; "
-            "turn the option on or plan without them."
-        )
-    extra_events: tuple = ()
-    if stats is not None:
-        contribution_stats.check_budget(stats.epsilon, epsilon, cell)
-        if eps_for_g != epsilon:
-            contribution_stats.check_budget(stats.epsilon, eps_for_g, cell + " (reference epsilon for G)")
-        extra_events = (stats.dp_event(),)
-    G, rule, table = choose_group_size(
-        method, counts, privacy, compute_budget=compute_budget, steps=steps, epsilon=eps_for_g,
-        delta=delta, explicit=group_size, cell=cell, histogram=stats,
-    )
-    st = bounded_stats(counts, G)
-    if method == "els":
-        expected_batch = compute_budget / steps
-        q = expected_batch / st.n_examples
-        expected_compute = steps * q * st.n_examples
-        unit, pool = "examples", f"N_G = {st.n_examples} bounded examples"
-    else:
-        expected_batch = compute_budget / (steps * st.mean_contribution)
-        q = expected_batch / n_users
-        expected_compute = steps * q * n_users * st.mean_contribution
-        unit, pool = "users", f"{n_users} train users"
-    if q > 1:
-        raise PrivacyError(
-            f"{cell}: sampling rate {q:.4g} > 1 (expected batch {expected_batch:.4g} {unit} per step from "
-            f"{pool}, G = {G}). Use more steps for this budget in grid.budgets or a smaller compute budget."
-        )
-    tolerance = float(privacy.get("calibration_tolerance", 1e-3))
-    max_noise = float(privacy.get("max_noise_multiplier", 500))
+    contributions = _contributions(counts, privacy, stats, cell, (epsilon, eps_for_g))
+    G, rule, table = choose_group_size(method, contributions, int(counts.size), privacy, compute_budget=compute_budget,
+                                       steps=steps, epsilon=eps_for_g, delta=delta, explicit=group_size, cell=cell)
+    exact = ExactCounts(counts)  # N_G and mbar_G of the chosen G are exact (public dataset sizes)
+    mech, sampling = mechanism.get(method).for_budget(compute_budget, steps, G, exact.n_users, exact.n_bounded(G),
+                                                      exact.mean_bounded(G), where=cell)
+    extra = contributions.dp_events
     if private:
-        try:
-            cal = calibrate(
-                method, epsilon, delta, q, steps, G, tolerance=tolerance, max_noise_multiplier=max_noise, cell=cell,
-                extra_events=extra_events,
-            )
-        except PrivacyError as exc:
-            if not extra_events:
-                raise
-            raise PrivacyError(
-                f"{exc} The DP contribution statistics ({contribution_stats.KEY}.epsilon = {stats.epsilon:g}) are "
-                f"composed into this cell's epsilon; a smaller {contribution_stats.KEY}.epsilon leaves more for training."
-            ) from exc
-        sigma, eps_ach = cal.noise_multiplier, cal.epsilon_achieved
-        calibration = {
-            "tolerance": tolerance,
-            "discretization": cal.discretization,
-            "noise_lower": cal.noise_lower,
-            "evaluations": cal.evaluations,
-            "seconds": round(cal.seconds, 3),
-        }
-        clip_norm, clipping, accountant = float(privacy.get("clip_norm", 1.0)), privacy.get("clipping", "flat"), accounting.accountant_name(method)
-        if extra_events:
-            accountant += "+" + contribution_stats.ACCOUNTANT_SUFFIX
+        sigma, eps_ach, calibration = _calibrate(mech, epsilon, delta, privacy, extra, cell, stats)
     else:
         sigma, eps_ach, calibration = 0.0, math.inf, None
-        clip_norm, clipping, accountant = None, None, "none (non-private reference)"
-    plan: dict[str, Any] = {
-        "dataset": dataset,
-        "method": method,
-        "epsilon": float(epsilon),
-        "delta": delta,
-        "delta_rule": delta_rule,
-        "group_size": G,
-        "group_size_rule": rule,
-        "sampling_rate": q,
-        "steps": int(steps),
-        "expected_batch": expected_batch,
-        "expected_batch_unit": unit,
-        "noise_multiplier": sigma,
-        "epsilon_achieved": eps_ach,
-        "compute_budget": int(compute_budget),
-        "expected_compute": expected_compute,
-        "accountant": accountant,
-        "clip_norm": clip_norm,
-        "clipping": clipping,
-        "n_train_users": n_users,
-        "n_train_examples": int(counts.sum()),
-        "n_train_examples_bounded": st.n_examples,
-        "mean_bounded_contribution": st.mean_contribution,
-        "calibration": calibration,
-        "contribution_statistics": "treated as public (docs/privacy.md)",
-        "library_versions": accounting.library_versions(),
-    }
+    plan = _plan_record(dataset, mech, sampling, epsilon, delta, delta_rule, rule, sigma, eps_ach, compute_budget,
+                        privacy, exact, calibration, extra)
     if stats is not None:
         plan["contribution_statistics"] = (
             "private: Laplace histogram composed into epsilon; dataset sizes N, N_G, mbar_G treated as public "
             "(docs/privacy.md)"
         )
-        record = stats.record()
-        if private:
-            # How the total splits (for reporting): the training steps alone at the plan's sigma.
-            record["epsilon_training_only"] = accounting.compute_epsilon(method, sigma, q, steps, delta, G)
-        plan["contribution_stats"] = record
+        plan["contribution_stats"] = stats.record()
+        if private:  # how the total splits (for reporting): the training steps alone at the plan's sigma
+            plan["contribution_stats"]["epsilon_training_only"] = mech.epsilon(sigma, delta)
     if table is not None:
         plan["group_size_candidates"] = table
         if not private:
             plan["group_size_reference_epsilon"] = eps_for_g
     return plan
+
+
+def _plan_record(dataset: str, mech: Mechanism, sampling: Sampling, epsilon: float, delta: float, delta_rule: str,
+                 rule: str, sigma: float, eps_ach: float, compute_budget: int, privacy: dict, exact: ExactCounts,
+                 calibration: dict | None, extra: tuple) -> dict[str, Any]:
+    """The plan's fields (docs/artifacts.md), including the calibrated event of the T steps."""
+    private = not math.isinf(epsilon)
+    accountant = (mech.accountant + ("+" + contribution_stats.ACCOUNTANT_SUFFIX if extra else "") if private
+                  else "none (non-private reference)")
+    return {
+        "dataset": dataset,
+        "method": mech.name,
+        "epsilon": float(epsilon),
+        "delta": delta,
+        "delta_rule": delta_rule,
+        "group_size": int(mech.group_size),
+        "group_size_rule": rule,
+        "sampling_rate": mech.sampling_rate,
+        "steps": int(mech.steps),
+        "expected_batch": sampling.expected_batch,
+        "expected_batch_unit": sampling.unit,
+        "noise_multiplier": sigma,
+        "epsilon_achieved": eps_ach,
+        "compute_budget": int(compute_budget),
+        "expected_compute": sampling.expected_compute,
+        "accountant": accountant,
+        "clip_norm": float(privacy.get("clip_norm", 1.0)) if private else None,
+        "clipping": privacy.get("clipping", "flat") if private else None,
+        "n_train_users": exact.n_users,
+        "n_train_examples": int(exact.counts.sum()),
+        "n_train_examples_bounded": exact.n_bounded(mech.group_size),
+        "mean_bounded_contribution": exact.mean_bounded(mech.group_size),
+        "calibration": calibration,
+        "contribution_statistics": "treated as public (docs/privacy.md)",
+        "library_versions": accounting.library_versions(),
+        "dp_event": mechanism.event_to_json(mech.dp_event(sigma)),
+    }
 
 
 def read_train_counts(users_path: str) -> np.ndarray:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import sorted_dict
+from .. import layout
+from ..layout import sorted_dict
 
 
 def counts_from_tokens(config: dict) -> bool:
@@ -20,8 +21,9 @@ def stats_private(config: dict) -> bool:
 
 
 def _group_rule(config: dict, method: str) -> Any:
-    gs = config["privacy"].get("group_size") or {}
-    return gs.get(method, "median" if method == "els" else "snr")
+    from .group_size import rule_for  # lazy: the accountant is heavy to import at DAG-building time
+
+    return rule_for(config["privacy"], method)
 
 
 def plan_privacy_params(config: dict, method: str, eps: str, group: str | None = None) -> dict[str, Any]:
@@ -83,13 +85,13 @@ def reference_epsilon_param(config: dict, method: str, eps: str, group: str | No
 def count_inputs(config: dict, dataset: str) -> dict[str, str]:
     """The file the train users' counts come from: tokens.parquet (chunk mode) or users.parquet."""
     if counts_from_tokens(config):
-        return {"tokens": f"results/data/{dataset}/tokens.parquet"}
-    return {"users": f"results/data/{dataset}/users.parquet"}
+        return {"tokens": layout.TOKENS.format(dataset=dataset)}
+    return {"users": layout.USERS.format(dataset=dataset)}
 
 
 def plan_inputs(config: dict, dataset: str) -> dict[str, str]:
     """Inputs of a plan cell: the counts, contributions.json, and the DP histogram when it is on."""
-    ins = dict(count_inputs(config, dataset), contributions=f"results/data/{dataset}/contributions.json")
+    ins = dict(count_inputs(config, dataset), contributions=layout.CONTRIBUTIONS.format(dataset=dataset))
     if stats_private(config):
-        ins["contributions_dp"] = f"results/data/{dataset}/contributions_dp.json"
+        ins["contributions_dp"] = layout.CONTRIBUTIONS_DP.format(dataset=dataset)
     return ins

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import check_uls_fits as config_check_uls_fits
+from .settings import check_uls_fits as config_check_uls_fits
 from ..errors import ConfigError
 from .pool import TrainingPool
 

@@ -5,9 +5,11 @@ the `.grad` of every trainable parameter, where g_u is the gradient of unit u
 (an example, or a user's rows weighted 1/m_u). It never forms per-example
 gradients of the big matrices blindly and never runs one backward per unit:
 
-1. forward with hooks on every parameterised module (Linear, GPT-2 Conv1D,
-   Embedding, LayerNorm, RMSNorm): the layer inputs are kept and the outputs
-   get a tensor hook that receives the output gradient;
+1. forward with hooks on every parameterised module of a registered layer
+   type (`LAYER_HANDLERS`: Linear, GPT-2 Conv1D, Embedding, LayerNorm,
+   RMSNorm): the layer inputs are kept and the outputs get a tensor hook that
+   receives the output gradient, which the layer's handler turns into
+   gradient pieces;
 2. one backward with all trainable parameters temporarily frozen, so autograd
    computes activation gradients only (no weight gradient is computed twice);
 3. per-unit norms from (input, output-gradient) pairs, by the cheapest exact
@@ -75,10 +77,8 @@ def _rms_eps(module: nn.Module) -> float | None:
     return eps
 
 
-def _normalized(module: nn.Module, kind: str, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The normalised input xhat of a norm layer (its output is weight * xhat [+ bias])."""
-    if kind == "layernorm":
-        return F.layer_norm(x.to(dtype), module.normalized_shape, eps=module.eps)
+def _rms_normalized(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The normalised input x / rms(x) of an RMSNorm layer (its output is weight * that)."""
     eps = _rms_eps(module)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
@@ -91,25 +91,6 @@ def _normalized(module: nn.Module, kind: str, x: Tensor, dtype: torch.dtype) -> 
 
 def norm_dtype_of(x: Tensor) -> torch.dtype:
     return gn.norm_dtype(x.dtype)
-
-
-def _module_kind(module: nn.Module) -> str | None:
-    """Classify a module whose parameter gradients we know how to compute, else None."""
-    conv1d = _conv1d_class()
-    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
-        return "linear"
-    if conv1d is not None and isinstance(module, conv1d) and type(module).forward is conv1d.forward:
-        return "conv1d"
-    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
-        if module.max_norm is None and not module.scale_grad_by_freq and not module.sparse:
-            return "embedding"
-        return None
-    if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
-        return "layernorm"
-    if isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm"):
-        if _rms_matches(module):
-            return "rmsnorm"
-    return None
 
 
 @torch.no_grad()
@@ -130,9 +111,176 @@ def _rms_matches(module: nn.Module) -> bool:
         got = module(x)
     except Exception:  # noqa: BLE001 - any failure means we do not understand this module
         return False
-    want = weight * _normalized(module, "rmsnorm", x, weight.dtype)
+    want = weight * _rms_normalized(module, x, weight.dtype)
     tol = 1e-2 if weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
     return got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------ layer registry
+#
+# Each supported layer type is one LayerHandler: which modules it matches (the
+# support check), which of their parameters it handles, and how a parameter's
+# per-token gradient piece is formed from (layer input x, output gradient g).
+# A piece has one of three forms, and the per-unit norms and clipped sums of
+# each form are computed in `grad_norms`, whatever layer produced it:
+#
+# - gn.DenseRecord (a matrix: grad = sum_t row_t (x) col_t),
+# - gn.IndexRecord (an embedding table: grad = sum_t onehot(id_t) (x) g_t),
+# - a Tensor [B, L, *shape] (a vector: biases and norm weights, grad = sum_t v_t).
+#
+# A new layer type is one LayerHandler subclass plus one `register_layer` call.
+
+DENSE, INDEX, VECTOR = "dense", "index", "vector"
+
+
+class LayerHandler:
+    """How DP clipping treats one layer type (subclass it and `register_layer` an instance)."""
+
+    kind: str = ""                    # a short name (linear, conv1d, ...)
+    label: str = ""                   # how the unsupported-model error names it
+    roles: dict[str, str] = {}        # parameter name -> piece form (DENSE, INDEX or VECTOR)
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether this handler computes the parameter gradients of `module` exactly."""
+        raise NotImplementedError
+
+    def layer_input(self, x: Tensor, output: Tensor, batch: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(input, output, replacement output or None) as the forward hook should see them."""
+        return x, output, None
+
+    def piece(self, module: nn.Module, role: str, x: Tensor, g: Tensor,
+              dtype: torch.dtype) -> gn.DenseRecord | gn.IndexRecord | Tensor:
+        """The gradient piece of parameter `role` from layer input x and output gradient g.
+
+        Vector pieces are per token, in `dtype` (the parameter's norm dtype).
+        """
+        raise NotImplementedError
+
+
+LAYER_HANDLERS: list[LayerHandler] = []
+
+
+def register_layer(handler: LayerHandler) -> LayerHandler:
+    """Add a layer type to the registry (tried in registration order)."""
+    LAYER_HANDLERS.append(handler)
+    return handler
+
+
+def handler_for(module: nn.Module) -> LayerHandler | None:
+    """The registered handler of `module`, or None if no handler supports it."""
+    for handler in LAYER_HANDLERS:
+        if handler.matches(module):
+            return handler
+    return None
+
+
+def _plain(module: nn.Module, cls: type) -> bool:
+    """`module` is a `cls` whose forward is not overridden (so its gradient is the known one)."""
+    return isinstance(module, cls) and type(module).forward is cls.forward
+
+
+class _BiasHandler(LayerHandler):
+    """Layers with a bias whose gradient piece is the output gradient itself."""
+
+    def piece(self, module, role, x, g, dtype):
+        if role == "bias":
+            return g.to(dtype)
+        return self.weight_piece(module, x, g, dtype)
+
+    def weight_piece(self, module: nn.Module, x: Tensor, g: Tensor, dtype: torch.dtype):
+        raise NotImplementedError
+
+
+class LinearHandler(_BiasHandler):
+    """nn.Linear, y = x W^T + b, W [out, in]: grad W = sum_t g_t (x) x_t."""
+
+    kind, label, roles = "linear", "nn.Linear", {"weight": DENSE, "bias": VECTOR}
+
+    def matches(self, module):
+        return _plain(module, nn.Linear)
+
+    def weight_piece(self, module, x, g, dtype):
+        return gn.DenseRecord(row=g, col=x)
+
+
+class Conv1DHandler(_BiasHandler):
+    """GPT-2's Conv1D, y = x W + b, W [in, out]: grad W = sum_t x_t (x) g_t."""
+
+    kind, label, roles = "conv1d", "transformers Conv1D", {"weight": DENSE, "bias": VECTOR}
+
+    def matches(self, module):
+        conv1d = _conv1d_class()
+        return conv1d is not None and _plain(module, conv1d)
+
+    def weight_piece(self, module, x, g, dtype):
+        return gn.DenseRecord(row=x, col=g)
+
+
+class EmbeddingHandler(LayerHandler):
+    """nn.Embedding (also tied with an output layer: the parameter then has dense pieces too)."""
+
+    kind, label, roles = "embedding", "nn.Embedding (no max_norm/sparse/scale_grad_by_freq)", {"weight": INDEX}
+
+    def matches(self, module):
+        return (_plain(module, nn.Embedding) and module.max_norm is None and not module.scale_grad_by_freq
+                and not module.sparse)
+
+    def layer_input(self, x, output, batch):
+        if x.shape[0] == 1 and batch > 1:
+            # GPT-2 builds position ids as [1, L]; expand so each row gets its own gradient.
+            x = x.expand(batch, *x.shape[1:])
+            if not output.requires_grad:
+                output.requires_grad_(True)
+            output = output.expand(batch, *output.shape[1:])
+            return x, output, output
+        return x, output, None
+
+    def piece(self, module, role, x, g, dtype):
+        pad = module.padding_idx
+        return gn.IndexRecord(ids=x, g=g if pad is None else g.masked_fill((x == pad)[..., None], 0))
+
+
+class LayerNormHandler(_BiasHandler):
+    """nn.LayerNorm, y = w * xhat + b: grad w = sum_t g_t * xhat_t."""
+
+    kind, label, roles = "layernorm", "nn.LayerNorm", {"weight": VECTOR, "bias": VECTOR}
+
+    def matches(self, module):
+        return _plain(module, nn.LayerNorm)
+
+    def weight_piece(self, module, x, g, dtype):
+        return g.to(dtype) * F.layer_norm(x.to(dtype), module.normalized_shape, eps=module.eps)
+
+
+class RMSNormHandler(LayerHandler):
+    """Llama-style RMSNorm, y = w * x / rms(x) (checked numerically: Gemma's (1 + w) is not supported)."""
+
+    kind, label, roles = "rmsnorm", "Llama-style RMSNorm (weight * x / rms(x))", {"weight": VECTOR}
+
+    def matches(self, module):
+        return (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")) and _rms_matches(module)
+
+    def piece(self, module, role, x, g, dtype):
+        return g.to(dtype) * _rms_normalized(module, x, dtype)
+
+
+for _handler in (LinearHandler(), Conv1DHandler(), EmbeddingHandler(), LayerNormHandler(), RMSNormHandler()):
+    register_layer(_handler)
+
+
+@dataclass(frozen=True)
+class _Use:
+    """One (module, parameter) pair: the layer's handler forms the parameter's gradient there."""
+
+    module: nn.Module
+    handler: LayerHandler
+    role: str  # the parameter's name in the module (weight | bias)
+    param: nn.Parameter
+
+    @property
+    def form(self) -> str:
+        """DENSE, INDEX or VECTOR: the kind of gradient piece this use produces."""
+        return self.handler.roles[self.role]
 
 
 def _collect_uses(model: nn.Module) -> tuple[list[nn.Parameter], list[_Use]]:
@@ -143,20 +291,17 @@ def _collect_uses(model: nn.Module) -> tuple[list[nn.Parameter], list[_Use]]:
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
-        kind = _module_kind(module)
-        allowed = {"linear": ("weight", "bias"), "conv1d": ("weight", "bias"), "embedding": ("weight",),
-                   "layernorm": ("weight", "bias"), "rmsnorm": ("weight",)}.get(kind or "", ())
+        handler = handler_for(module)
         for pname, p in own:
-            if pname in allowed:
-                uses.append(_Use(module, kind, pname, p))
+            if handler is not None and pname in handler.roles:
+                uses.append(_Use(module, handler, pname, p))
             else:
                 bad.append(f"{name or '<root>'}.{pname} ({type(module).__module__}.{type(module).__qualname__})")
     if bad:
         raise UnsupportedModelError(
             "DP clipping cannot compute per-unit gradient norms for these trainable parameters: "
             + ", ".join(bad)
-            + ". Supported layers: nn.Linear, transformers Conv1D, nn.Embedding (no max_norm/sparse/"
-            "scale_grad_by_freq), nn.LayerNorm, Llama-style RMSNorm (weight * x / rms(x)). Freeze these "
+            + ". Supported layers: " + ", ".join(h.label for h in LAYER_HANDLERS) + ". Freeze these "
             "parameters (requires_grad=False) or use a GPT-2/Llama-family model."
         )
     seen: dict[int, nn.Parameter] = {}
@@ -299,8 +444,8 @@ class ClippedGradients:
         dev = input_ids.device.type
         self._low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         self._batch = tuple(input_ids.shape)
-        has_dense = {id(u.param) for u in self._uses if u.kind in ("linear", "conv1d") and u.role == "weight"}
-        has_index = {id(u.param) for u in self._uses if u.kind == "embedding"}
+        has_dense = {id(u.param) for u in self._uses if u.form == DENSE}
+        has_index = {id(u.param) for u in self._uses if u.form == INDEX}
         self._states = {id(p): gn.plan_param(p, id(p) in has_dense, id(p) in has_index, layout, self.norm_method)
                         for p in self.params}
         for st in self._states.values():
@@ -346,15 +491,7 @@ class ClippedGradients:
         x = args[0] if args else (next(iter(kwargs.values())) if len(kwargs) == 1 else None)
         if not isinstance(x, Tensor) or not isinstance(output, Tensor):
             raise RuntimeError(f"DP clipping: could not find the input/output tensor of {type(module).__name__}")
-        kind = uses[0].kind
-        replaced = None
-        if kind == "embedding":
-            if x.shape[0] == 1 and b > 1:
-                # GPT-2 builds position ids as [1, L]; expand so each row gets its own gradient.
-                x = x.expand(b, *x.shape[1:])
-                if not output.requires_grad:
-                    output.requires_grad_(True)
-                output = replaced = output.expand(b, *output.shape[1:])
+        x, output, replaced = uses[0].handler.layer_input(x, output, b)
         if tuple(x.shape[:2]) != (b, length):
             raise RuntimeError(f"DP clipping: layer {type(module).__name__} saw input of shape {tuple(x.shape)}, "
                                f"expected leading dims {(b, length)} (batch, sequence)")
@@ -376,24 +513,18 @@ class ClippedGradients:
             g = g.detach()
             for use in uses:
                 st = self._states[id(use.param)]
-                dt = gn.norm_dtype(use.param.dtype)
-                inst_dt = st.inst_dtype
-                if use.kind in ("linear", "conv1d") and use.role == "weight":
-                    rec = gn.DenseRecord(row=g, col=x) if use.kind == "linear" else gn.DenseRecord(row=x, col=g)
-                    gn.instantiate_dense(rec, layout, st, inst_dt)
+                piece = use.handler.piece(module, use.role, x, g, gn.norm_dtype(use.param.dtype))
+                if isinstance(piece, gn.DenseRecord):
+                    gn.instantiate_dense(piece, layout, st, st.inst_dtype)
                     if st.n_ghost:
-                        st.dense.append(rec)
-                elif use.kind == "embedding":
-                    pad = module.padding_idx
-                    ge = g if pad is None else g.masked_fill((x == pad)[..., None], 0)
-                    rec = gn.IndexRecord(ids=x, g=ge)
+                        st.dense.append(piece)
+                elif isinstance(piece, gn.IndexRecord):
                     if st.kind == "matrix":
-                        gn.instantiate_index(rec, layout, st, inst_dt)
+                        gn.instantiate_index(piece, layout, st, st.inst_dtype)
                     if st.kind == "sparse" or st.n_ghost:
-                        st.index.append(rec)
+                        st.index.append(piece)
                 else:  # vector pieces: biases and norm weights, keep per-row sums only
-                    v = g.to(dt) if use.role == "bias" else g.to(dt) * _normalized(module, use.kind, x, dt)
-                    rs = v.reshape(v.shape[0], v.shape[1], -1).sum(1)
+                    rs = piece.reshape(piece.shape[0], piece.shape[1], -1).sum(1)
                     st.row_sums = rs if st.row_sums is None else st.row_sums + rs
 
     def _unit_norms(self) -> Tensor:

@@ -1,24 +1,27 @@
 """The DP-SGD training loop (ELS and ULS), with checkpoint/resume and a privacy ledger.
 
-One step, for both methods (method.md sections 3 and 4):
+One step, for both methods (docs/method.md sections 3 and 4), in the order of
+Opacus' DPOptimizer.pre_step (`DPStep`):
 
-1. Poisson-sample units: examples of the bounded pool (ELS, rate q) or
-   train users (ULS, rate q_u). The realised size varies; that is correct.
-2. Pack the units' rows into fixed-shape micro-batches; add the clipped
-   per-unit gradients of every micro-batch into p.grad (ClippedGradients).
-3. Add N(0, (sigma C)^2) noise once to every coordinate of the sum.
-4. Divide by the EXPECTED number of units, q * N (a public constant),
-   never by the realised count, which would leak it.
-5. Optimizer and LR-schedule step.
+1. `sample`: Poisson-sample units: examples of the bounded pool (ELS, rate q)
+   or train users (ULS, rate q_u). The realised size varies; that is correct.
+2. `clipped_sum`: pack the units' rows into fixed-shape micro-batches; add the
+   clipped per-unit gradients of every micro-batch into p.grad
+   (ClippedGradients).
+3. `privatize`: add N(0, (sigma C)^2) noise once to every coordinate of the
+   sum, then divide by the EXPECTED number of units, q * N (a public
+   constant), never by the realised count, which would leak it.
+4. Optimizer and LR-schedule step.
 
 Non-private reference cells (eps = inf: sigma 0, clip norm null) run the
 same sampling and division, with no clipping and no noise.
 
-Every `checkpoint_every` steps the full state is saved atomically in the
-run's `checkpoint/` folder; a restarted job resumes from it, so the total
-number of noisy steps a released model has seen is exactly T. When the run
-completes, the model, train_log.parquet and ledger.json are written and the
-checkpoint is deleted.
+`RunState` owns the state of every component (model, optimizer, scheduler,
+sampler, noise generator, torch/CUDA RNG, counters, log rows); every
+`checkpoint_every` steps it is saved atomically in the run's `checkpoint/`
+folder; a restarted job resumes from it, so the total number of noisy steps a
+released model has seen is exactly T. When the run completes, the model,
+train_log.parquet and ledger.json are written and the checkpoint is deleted.
 
 Several processes (torchrun; `userdp.training.distributed`): when
 torch.distributed is initialised (or `dist` is passed), every rank draws the
@@ -34,26 +37,28 @@ import logging
 import math
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pandas as pd
 import torch
 
-from ..config import fmt_num
-from ..errors import DataError
+from ..errors import DataError, PrivacyError
 from ..io import write_json, write_parquet
+from ..layout import LEDGER, RUN_MODEL, TRAIN_LOG, fmt_num
+from ..privacy import mechanism as privacy_mechanism
+from ..seeding import derive_seed
 from . import checkpoint as ckpt
 from . import distributed
-from .batching import check_uls_fits, pack_micro_batches, select_els, select_uls
+from .batching import StepSelection, check_uls_fits, pack_micro_batches, select_els, select_uls
 from .ledger import build_ledger
 from .models import autocast_context, resolve_device, save_model_atomic
 from .noise import GaussianNoise
 from .optim import make_optimizer, make_scheduler
 from .pool import TrainingPool
-from .sampling import PoissonSampler, derive_seed
+from .sampling import PoissonSampler
+from .settings import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -61,39 +66,9 @@ LOG_COLUMNS = [
     "step", "loss", "realised_examples", "realised_users", "realised_units", "examples_processed",
     "learning_rate", "clipped_fraction", "mean_unit_norm", "seconds",
 ]
-
-
-@dataclass
-class TrainSettings:
-    """The training.* settings of one run (plus the swept learning rate)."""
-
-    learning_rate: float
-    optimizer: str = "adam"
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    physical_batch_size: int = 64
-    sequence_length: int = 64
-    checkpoint_every: int = 25
-    device: str = "auto"
-    precision: str = "fp32"
-    uls_examples_per_user: int | None = None
-    log_every_s: float = 10.0
-
-    @classmethod
-    def from_config(cls, config: dict, learning_rate: float) -> "TrainSettings":
-        tr = config["training"]
-        return cls(
-            learning_rate=float(learning_rate),
-            optimizer=tr["optimizer"],
-            schedule=tr["schedule"],
-            warmup_steps=int(tr["warmup_steps"]),
-            physical_batch_size=int(tr["physical_batch_size"]),
-            sequence_length=int(config["tokenizer"]["sequence_length"]),
-            checkpoint_every=int(tr["checkpoint_every"]),
-            device=tr["device"],
-            precision=tr["precision"],
-            uls_examples_per_user=tr.get("uls_examples_per_user"),
-        )
+# The plan keys that define the mechanism a checkpoint belongs to.
+FINGERPRINT_PLAN_KEYS = ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size",
+                         "steps", "delta")
 
 
 @dataclass
@@ -108,9 +83,9 @@ class RunPaths:
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
-        self.ledger = self.run_dir / "ledger.json"
-        self.train_log = self.run_dir / "train_log.parquet"
-        self.model_dir = self.run_dir / "model"
+        self.ledger = self.run_dir / LEDGER
+        self.train_log = self.run_dir / TRAIN_LOG
+        self.model_dir = self.run_dir / RUN_MODEL
         self.checkpoint_dir = self.run_dir / "checkpoint"
 
 
@@ -172,17 +147,265 @@ def public_seeds(seeds: dict[str, Any]) -> dict[str, Any]:
     return {k: ("secret" if k in SECRET_SEEDS else v) for k, v in seeds.items()}
 
 
+def run_fingerprint(plan: dict[str, Any], settings: TrainSettings, device: torch.device, seeds: dict[str, Any],
+                    pool: TrainingPool, model: torch.nn.Module, n_units: int) -> str:
+    """What a checkpoint must match to be resumed: the mechanism, the result-changing settings
+    (TrainSettings.result_settings, with the device type the run uses), the public seeds, and the
+    content of the base model and the pool (a rebuilt model or training data must not resume an old run).
+    """
+    return ckpt.fingerprint({
+        "plan": {k: plan.get(k) for k in FINGERPRINT_PLAN_KEYS},
+        "settings": settings.result_settings(device=device.type),
+        "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
+        "model": ckpt.model_digest(model),
+        "pool": ckpt.arrays_digest(pool.user_offsets, pool.example_ids, pool.token_offsets, pool.token_values),
+    })
+
+
+@dataclass(frozen=True)
+class RunMechanism:
+    """The plan's mechanism (`privacy.mechanism`) for one run, with its noise and clipping, checked against the pool."""
+
+    mechanism: privacy_mechanism.Mechanism  # method, q, T, G
+    sigma: float           # noise multiplier (0: no noise)
+    clip_norm: float | None  # None: non-private reference (no clipping)
+    normalize: bool        # normalized clipping C g / ||g||
+
+    @classmethod
+    def from_plan(cls, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings) -> "RunMechanism":
+        try:
+            mech = privacy_mechanism.from_record(plan)
+        except PrivacyError as exc:
+            raise DataError(f"plan for this run: {exc} Rebuild the plan.") from None
+        sigma = float(plan.get("noise_multiplier") or 0.0)
+        clip_norm = None if plan.get("clip_norm") is None else float(plan["clip_norm"])
+        if clip_norm is None and sigma > 0:
+            raise DataError(f"plan for this run has noise_multiplier {sigma} but no clip_norm; rebuild the plan.")
+        if pool.group_size != mech.group_size:
+            raise DataError(f"the training pool was bounded with G = {pool.group_size} but the plan says group_size "
+                            f"{mech.group_size}.")
+        if mech.unit == "users":
+            check_uls_fits(mech.group_size, settings.physical_batch_size, settings.uls_examples_per_user)
+        return cls(mech, sigma, clip_norm, plan.get("clipping") == "normalized")
+
+    @property
+    def method(self) -> str:
+        return self.mechanism.name
+
+    @property
+    def steps(self) -> int:
+        return int(self.mechanism.steps)
+
+    @property
+    def group_size(self) -> int:
+        return int(self.mechanism.group_size)
+
+    @property
+    def rate(self) -> float:
+        return float(self.mechanism.sampling_rate)
+
+    @property
+    def unit_name(self) -> str:
+        return self.mechanism.unit
+
+    def n_units(self, pool: TrainingPool) -> int:
+        """N: the number of units the sampler draws from (bounded examples or train users)."""
+        return pool.n_examples if self.unit_name == "examples" else pool.n_users
+
+
+def _check_expected(plan: dict[str, Any], mech: RunMechanism, n_units: int, expected: float) -> None:
+    if expected <= 0:
+        raise DataError(f"expected batch size q * N = {mech.rate} * {n_units} is 0; the plan does not fit this pool.")
+    planned = plan.get("expected_batch")
+    if planned is not None and abs(float(planned) - expected) > 1e-3 * max(expected, 1.0):
+        log.warning(
+            "plan expected_batch %.6g differs from q * N = %.6g on this pool (N = %d %s); dividing by q * N, "
+            "the expectation of the realised size under this sampler.",
+            float(planned), expected, n_units, mech.unit_name,
+        )
+
+
+@dataclass
+class StepSums:
+    """Statistics of one step, summed over its micro-batches (and over ranks after `privatize`)."""
+
+    loss_sum: float = 0.0
+    n_rows: int = 0
+    n_units: int = 0
+    clipped: float = 0.0   # sum over micro-batches of clipped_fraction * units
+    norm_sum: float = 0.0  # sum of the units' pre-clip norms
+    norm_n: int = 0
+
+    def add(self, stats: dict[str, Any]) -> None:
+        """Add one `accumulate` result."""
+        self.loss_sum += float(stats["loss_sum"])
+        self.n_rows += int(stats["n_rows"])
+        k = int(stats["n_units"])
+        self.n_units += k
+        self.clipped += float(stats.get("clipped_fraction") or 0.0) * k
+        norms = stats.get("unit_norms")
+        if norms is not None:
+            t = torch.as_tensor(norms).detach().float().reshape(-1)
+            self.norm_sum, self.norm_n = self.norm_sum + float(t.sum()), self.norm_n + int(t.numel())
+
+
 def _default_gradient_source() -> Callable[..., Any]:
     from .clipping import ClippedGradients
 
     return ClippedGradients
 
 
-def _unit_norm_sum(norms: Any) -> tuple[float, int]:
-    if norms is None:
-        return 0.0, 0
-    t = torch.as_tensor(norms).detach().float().reshape(-1)
-    return float(t.sum()), int(t.numel())
+class DPStep:
+    """One DP-SGD step of the mechanism: `sample` -> `clipped_sum` -> `privatize` (Opacus' pre_step order).
+
+    Leaves the privatised update direction (noisy clipped sum / q N) in p.grad
+    of every trainable parameter; the optimizer step is the caller's.
+    """
+
+    def __init__(self, mech: RunMechanism, pool: TrainingPool, sampler: PoissonSampler, noise: GaussianNoise,
+                 grads: Any, params: list[torch.nn.Parameter], settings: TrainSettings, pad_id: int,
+                 device: torch.device, dist: distributed.DistContext | None):
+        self.mech, self.pool, self.sampler, self.noise, self.grads = mech, pool, sampler, noise, grads
+        self.params, self.settings, self.pad_id, self.device, self.dist = params, settings, pad_id, device, dist
+        self.expected = sampler.expected_size
+        self.autocast = autocast_context(device, settings.precision)
+
+    def sample(self) -> StepSelection:
+        """Poisson-sample units; their rows (ULS with uls_examples_per_user: a random k per user)."""
+        sampled = self.sampler.sample()
+        if self.mech.unit_name == "examples":
+            return select_els(self.pool, sampled)
+        return select_uls(self.pool, sampled, self.settings.uls_examples_per_user, self.sampler.rng)
+
+    def clipped_sum(self, sel: StepSelection) -> StepSums:
+        """p.grad = sum of the clipped per-unit gradients of this rank's share of the micro-batches."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+        sums = StepSums()
+        s = self.settings
+        micro_batches = pack_micro_batches(self.pool, sel, s.physical_batch_size, s.sequence_length, self.pad_id)
+        # With several processes every rank packed the same micro-batches; it processes its share.
+        for mb in distributed.my_share(micro_batches, self.dist):
+            with self.autocast:
+                sums.add(self.grads.accumulate(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+                                               mb.unit_ids.to(self.device), mb.row_weights.to(self.device)))
+        return sums
+
+    def privatize(self, sums: StepSums) -> StepSums:
+        """Noise once (rank 0), sum over ranks, divide by the expected size q N; the step's total sums."""
+        dist = self.dist
+        if dist is None or dist.is_main:
+            # Noise once per step: with several processes rank 0 adds it to its partial sum
+            # and the all-reduce below hands every rank the same noisy total.
+            self.noise.add_(self.params)
+        if dist is not None and dist.active:
+            distributed.all_reduce_grads(self.params, dist)
+            total = distributed.all_reduce_sums(list(astuple(sums)), dist, self.device)
+            sums = StepSums(*total)
+            sums.n_rows, sums.n_units, sums.norm_n = int(sums.n_rows), int(sums.n_units), int(sums.norm_n)
+        for p in self.params:
+            p.grad.div_(self.expected)
+        return sums
+
+    def __call__(self) -> tuple[StepSelection, StepSums]:
+        sel = self.sample()
+        return sel, self.privatize(self.clipped_sum(sel))
+
+
+class RunState:
+    """Everything a run carries from step to step; `state_dict` is what its checkpoint holds."""
+
+    def __init__(self, model: torch.nn.Module, mech: RunMechanism, n_units: int, settings: TrainSettings,
+                 seeds: dict[str, Any], device: torch.device):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sampler = PoissonSampler(n_units, mech.rate, seeds["sampler"])
+        self.noise = GaussianNoise(mech.sigma, mech.clip_norm, seeds["noise"], device)
+        self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate)
+        self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
+        self.private = mech.clip_norm is not None
+        self.step, self.examples_processed, self.users_processed = 0, 0, 0
+        self.rows: list[dict[str, Any]] = []
+        self.resumed_at: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
+            "noise": self.noise.state_dict(), "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "examples_processed": self.examples_processed, "users_processed": self.users_processed,
+            "log": self.rows, "resumed_at": self.resumed_at,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a saved run (its resumption step is added to resumed_at)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.noise.load_state_dict(state["noise"])
+        torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])  # dropout of loaded models on CUDA
+        self.step = int(state["step"])
+        self.examples_processed = int(state["examples_processed"])
+        self.users_processed = int(state["users_processed"])
+        self.rows = list(state["log"])
+        self.resumed_at = list(state["resumed_at"]) + [self.step]
+
+    def update(self) -> float:
+        """Optimizer and LR-schedule step on the privatised p.grad; the learning rate it used."""
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        return lr
+
+    def record(self, sel: StepSelection, sums: StepSums, lr: float, seconds: float) -> dict[str, Any]:
+        """Count the finished step and append its log row (LOG_COLUMNS)."""
+        self.step += 1
+        self.examples_processed += sel.n_examples
+        self.users_processed += sel.n_users
+        row = {
+            "step": self.step,
+            "loss": sums.loss_sum / sums.n_rows if sums.n_rows else math.nan,
+            "realised_examples": sel.n_examples,
+            "realised_users": sel.n_users,
+            "realised_units": sel.n_units,
+            "examples_processed": self.examples_processed,
+            "learning_rate": lr,
+            "clipped_fraction": sums.clipped / sums.n_units if sums.n_units and self.private else math.nan,
+            "mean_unit_norm": sums.norm_sum / sums.norm_n if sums.norm_n else math.nan,
+            "seconds": seconds,
+        }
+        self.rows.append(row)
+        return row
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows, columns=LOG_COLUMNS)
+
+
+class _Progress:
+    """Logs step, loss, throughput and ETA every `every_s` seconds (and at the last step)."""
+
+    def __init__(self, total_steps: int, every_s: float):
+        self.total, self.every_s = total_steps, every_s
+        self.start = time.monotonic()
+        self.last = self.start - every_s
+
+    def __call__(self, run: RunState, done_now: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s and run.step != self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        ex_rate = sum(r["realised_examples"] for r in run.rows[-done_now:]) / max(elapsed, 1e-9)
+        eta = (self.total - run.step) * elapsed / done_now
+        log.info("step %d/%d loss %.4f examples/s %.1f ETA %.0fs", run.step, self.total, run.rows[-1]["loss"],
+                 ex_rate, eta)
 
 
 def train(
@@ -205,6 +428,8 @@ def train(
     gradient_source: a factory `(model, clip_norm, normalize=...)` returning an
     object with `accumulate(input_ids, attention_mask, unit_ids, row_weights)`
     (default: userdp.training.clipping.ClippedGradients).
+    compute_epsilon: the ledger's accountant, `(dp event, delta) -> epsilon`
+    (default: userdp.privacy.accounting.epsilon; tests pass a fast stand-in).
     max_steps: stop after this many steps in this invocation (checkpointing
     first); the run then reports complete=False and writes no final outputs.
     on_step: called after every step with (step, log row); an exception in it
@@ -212,204 +437,79 @@ def train(
     dist: this process's rank in a data-parallel group (default: taken from an
     initialised torch.distributed process group; None = one process).
     """
-    method = plan["method"]
-    T = int(plan["steps"])
-    G = int(plan["group_size"])
-    q = float(plan["sampling_rate"])
-    sigma = float(plan.get("noise_multiplier") or 0.0)
-    clip_norm = plan.get("clip_norm")
-    clip_norm = None if clip_norm is None else float(clip_norm)
-    if clip_norm is None and sigma > 0:
-        raise DataError(f"plan for this run has noise_multiplier {sigma} but no clip_norm; rebuild the plan.")
-    if pool.group_size != G:
-        raise DataError(f"the training pool was bounded with G = {pool.group_size} but the plan says group_size {G}.")
-    if method == "uls":
-        check_uls_fits(G, settings.physical_batch_size, settings.uls_examples_per_user)
-    elif method != "els":
-        raise DataError(f"plan method is {method!r}; expected 'els' or 'uls'.")
-
-    if dist is None:
-        dist = distributed.current_context()
-    is_main = dist is None or dist.is_main
+    mech = RunMechanism.from_plan(plan, pool, settings)
+    dist = distributed.current_context() if dist is None else dist
     device = distributed.rank_device(settings.device, dist) if dist is not None else resolve_device(settings.device)
     model.to(device)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    n_units = pool.n_examples if method == "els" else pool.n_users
     if seeds.get("secret"):
         # Fresh entropy at every start; a resumed run restores the sampler's and
         # the noise's RNG states from its checkpoint below, so it continues the
         # same secret streams. Only the checkpoint (deleted at the end) holds them.
         seeds = draw_secret_seeds(seeds, dist, device)
-    sampler = PoissonSampler(n_units, q, seeds["sampler"])
-    expected = sampler.expected_size
-    if expected <= 0:
-        raise DataError(f"expected batch size q * N = {q} * {n_units} is 0; the plan does not fit this pool.")
-    planned = plan.get("expected_batch")
-    if planned is not None and abs(float(planned) - expected) > 1e-3 * max(expected, 1.0):
-        log.warning(
-            "plan expected_batch %.6g differs from q * N = %.6g on this pool (N = %d %s); dividing by q * N, "
-            "the expectation of the realised size under this sampler.",
-            float(planned), expected, n_units, "examples" if method == "els" else "users",
-        )
-    noise = GaussianNoise(sigma, clip_norm, seeds["noise"], device)
-    factory = gradient_source or _default_gradient_source()
-    grads = factory(model, clip_norm, normalize=(plan.get("clipping") == "normalized"))
-    optimizer = make_optimizer(params, settings.optimizer, settings.learning_rate)
-    scheduler = make_scheduler(optimizer, settings.schedule, settings.warmup_steps, T)
-
-    fp = ckpt.fingerprint({
-        "plan": {k: plan.get(k) for k in ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping",
-                                         "group_size", "steps", "delta")},
-        "settings": {k: v for k, v in asdict(settings).items() if k not in ("device", "log_every_s")},
-        "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
-        # content, not only sizes: a rebuilt base model or training data must not resume an old run
-        "model": ckpt.model_digest(model),
-        "pool": ckpt.arrays_digest(pool.user_offsets, pool.example_ids, pool.token_offsets, pool.token_values),
-    })
-    step, examples_processed, users_processed = 0, 0, 0
-    rows: list[dict[str, Any]] = []
-    resumed_at: list[int] = []
-    state = ckpt.load_checkpoint(paths.checkpoint_dir, fp)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        noise.load_state_dict(state["noise"])
-        torch.set_rng_state(state["torch_rng"])
-        if state.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])  # dropout of loaded models on CUDA
-        step = int(state["step"])
-        examples_processed = int(state["examples_processed"])
-        users_processed = int(state["users_processed"])
-        rows = list(state["log"])
-        resumed_at = list(state["resumed_at"]) + [step]
-        log.info("resumed from checkpoint at step %d/%d (%s)", step, T, paths.checkpoint_dir)
+    n_units = mech.n_units(pool)
+    run = RunState(model, mech, n_units, settings, seeds, device)
+    _check_expected(plan, mech, n_units, run.sampler.expected_size)
+    grads = (gradient_source or _default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
+    dp_step = DPStep(mech, pool, run.sampler, run.noise, grads, run.params, settings, pad_id, device, dist)
+    fp = run_fingerprint(plan, settings, device, seeds, pool, model, n_units)
+    if (saved := ckpt.load_checkpoint(paths.checkpoint_dir, fp)) is not None:
+        run.load_state_dict(saved)
+        log.info("resumed from checkpoint at step %d/%d (%s)", run.step, mech.steps, paths.checkpoint_dir)
     else:
         torch.manual_seed(seeds["torch"])
 
     def save() -> None:
-        if not is_main:  # every rank holds the same state; rank 0 writes it
-            return
-        ckpt.save_checkpoint(paths.checkpoint_dir, {
-            "fingerprint": fp, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "noise": noise.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "examples_processed": examples_processed,
-            "users_processed": users_processed, "log": rows, "resumed_at": resumed_at,
-        })
+        if dist is None or dist.is_main:  # every rank holds the same state; rank 0 writes it
+            ckpt.save_checkpoint(paths.checkpoint_dir, {"fingerprint": fp, **run.state_dict()})
 
-    world = dist.world_size if dist is not None else 1
-    log.info(
-        "training %s: T=%d q=%.6g expected %s=%.2f sigma=%.4g C=%s G=%d pool=%d examples/%d users lr=%g device=%s"
-        " processes=%d",
-        method, T, q, "examples" if method == "els" else "users", expected, sigma, clip_norm, G,
-        pool.n_examples, pool.n_users, settings.learning_rate, device, world,
-    )
-    start = time.monotonic()
-    last_log = start - settings.log_every_s
-    done_now, saved_at = 0, step
-    autocast = autocast_context(device, settings.precision)
-    while step < T and (max_steps is None or done_now < max_steps):
+    log.info("training %s: T=%d q=%.6g expected %s=%.2f sigma=%.4g C=%s G=%d pool=%d examples/%d users lr=%g "
+             "device=%s processes=%d", mech.method, mech.steps, mech.rate, mech.unit_name, dp_step.expected,
+             mech.sigma, mech.clip_norm, mech.group_size, pool.n_examples, pool.n_users, settings.learning_rate,
+             device, dist.world_size if dist is not None else 1)
+    progress, done_now, saved_at = _Progress(mech.steps, settings.log_every_s), 0, run.step
+    while run.step < mech.steps and (max_steps is None or done_now < max_steps):
         t0 = time.monotonic()
-        sampled = sampler.sample()
-        if method == "els":
-            sel = select_els(pool, sampled)
-        else:
-            sel = select_uls(pool, sampled, settings.uls_examples_per_user, sampler.rng)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
-        loss_sum, n_rows, n_units_seen, clipped, norm_sum, norm_n = 0.0, 0, 0, 0.0, 0.0, 0
-        micro_batches = pack_micro_batches(pool, sel, settings.physical_batch_size, settings.sequence_length, pad_id)
-        # With several processes every rank packed the same micro-batches; it processes its share.
-        for mb in distributed.my_share(micro_batches, dist):
-            with autocast:
-                stats = grads.accumulate(
-                    mb.input_ids.to(device), mb.attention_mask.to(device), mb.unit_ids.to(device),
-                    mb.row_weights.to(device),
-                )
-            loss_sum += float(stats["loss_sum"])
-            n_rows += int(stats["n_rows"])
-            k = int(stats["n_units"])
-            n_units_seen += k
-            clipped += float(stats.get("clipped_fraction") or 0.0) * k
-            s, n = _unit_norm_sum(stats.get("unit_norms"))
-            norm_sum, norm_n = norm_sum + s, norm_n + n
-        if is_main:
-            # Noise once per step: with several processes rank 0 adds it to its partial sum
-            # and the all-reduce below hands every rank the same noisy total.
-            noise.add_(params)
-        if dist is not None and dist.active:
-            distributed.all_reduce_grads(params, dist)
-            loss_sum, n_rows, n_units_seen, clipped, norm_sum, norm_n = distributed.all_reduce_sums(
-                [loss_sum, n_rows, n_units_seen, clipped, norm_sum, norm_n], dist, device)
-            n_rows, n_units_seen, norm_n = int(n_rows), int(n_units_seen), int(norm_n)
-        for p in params:
-            p.grad.div_(expected)
-        lr = float(scheduler.get_last_lr()[0])
-        optimizer.step()
-        scheduler.step()
-        step += 1
+        sel, sums = dp_step()
+        row = run.record(sel, sums, run.update(), time.monotonic() - t0)
         done_now += 1
-        examples_processed += sel.n_examples
-        users_processed += sel.n_users
-        row = {
-            "step": step,
-            "loss": loss_sum / n_rows if n_rows else math.nan,
-            "realised_examples": sel.n_examples,
-            "realised_users": sel.n_users,
-            "realised_units": sel.n_units,
-            "examples_processed": examples_processed,
-            "learning_rate": lr,
-            "clipped_fraction": clipped / n_units_seen if n_units_seen and clip_norm is not None else math.nan,
-            "mean_unit_norm": norm_sum / norm_n if norm_n else math.nan,
-            "seconds": time.monotonic() - t0,
-        }
-        rows.append(row)
         if on_step is not None:
-            on_step(step, row)
-        if step % settings.checkpoint_every == 0 and step < T:
+            on_step(run.step, row)
+        if run.step % settings.checkpoint_every == 0 and run.step < mech.steps:
             save()
-            saved_at = step
-            distributed.check_replicas(params, dist, device)
-        now = time.monotonic()
-        if now - last_log >= settings.log_every_s or step == T:
-            last_log = now
-            elapsed = now - start
-            ex_rate = sum(r["realised_examples"] for r in rows[-done_now:]) / max(elapsed, 1e-9)
-            eta = (T - step) * elapsed / done_now
-            log.info("step %d/%d loss %.4f examples/s %.1f ETA %.0fs", step, T, row["loss"], ex_rate, eta)
-
-    frame = pd.DataFrame(rows, columns=LOG_COLUMNS)
-    if step < T:
-        if saved_at != step:
+            saved_at = run.step
+            distributed.check_replicas(run.params, dist, device)
+        progress(run, done_now)
+    if run.step < mech.steps:
+        if saved_at != run.step:
             save()
         distributed.broadcast_object(None, dist, device)  # no rank returns before the checkpoint is written
-        log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", step, T)
-        return TrainOutcome(False, step, None, frame)
-    distributed.check_replicas(params, dist, device)
-    if not is_main:
+        log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", run.step, mech.steps)
+        return TrainOutcome(False, run.step, None, run.frame())
+    return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon)
+
+
+def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings, paths: RunPaths,
+            seeds: dict[str, Any], device: torch.device, dist: distributed.DistContext | None,
+            compute_epsilon: Callable[..., float] | None) -> TrainOutcome:
+    """After the last step: rank 0 writes model, log and ledger, then deletes the checkpoint."""
+    frame = run.frame()
+    distributed.check_replicas(run.params, dist, device)
+    if not (dist is None or dist.is_main):
         # Rank 0 writes the outputs; the broadcast returns once they are complete.
         ledger = distributed.broadcast_object(None, dist, device)
-        return TrainOutcome(True, step, ledger, frame)
-
+        return TrainOutcome(True, run.step, ledger, frame)
     ledger = build_ledger(
-        plan, steps_completed=step, expected_batch=expected, n_train_users=pool.n_users,
-        n_pool_examples=pool.n_examples, examples_processed=examples_processed, users_processed=users_processed,
-        learning_rate=settings.learning_rate, training=asdict(settings), seeds=public_seeds(seeds), resumed_at=resumed_at,
-        compute_epsilon=compute_epsilon,
+        plan, steps_completed=run.step, expected_batch=run.sampler.expected_size, n_train_users=pool.n_users,
+        n_pool_examples=pool.n_examples, examples_processed=run.examples_processed,
+        users_processed=run.users_processed, learning_rate=settings.learning_rate, training=asdict(settings),
+        seeds=public_seeds(seeds), resumed_at=run.resumed_at, compute_epsilon=compute_epsilon,
     )
     ledger["n_examples_before_bounding"] = pool.n_examples_before_bounding
     ledger["device"] = str(device)
     ledger["precision"] = settings.precision if device.type == "cuda" else "fp32"
-    ledger["processes"] = world
-    save_model_atomic(model, paths.model_dir)
+    ledger["processes"] = dist.world_size if dist is not None else 1
+    save_model_atomic(run.model, paths.model_dir)
     write_parquet(paths.train_log, frame)
     write_json(paths.ledger, ledger)
     # Outputs are complete; the checkpoint is no longer needed (it can be as
@@ -417,5 +517,5 @@ def train(
     ckpt.remove_checkpoint(paths.checkpoint_dir)
     distributed.broadcast_object(ledger, dist, device)
     log.info("run complete: %d steps, epsilon %.4g, realised compute %d examples (%.3f of budget)",
-             step, ledger["epsilon"], examples_processed, ledger["compute_ratio"] or math.nan)
-    return TrainOutcome(True, step, ledger, frame)
+             run.step, ledger["epsilon"], run.examples_processed, ledger["compute_ratio"] or math.nan)
+    return TrainOutcome(True, run.step, ledger, frame)

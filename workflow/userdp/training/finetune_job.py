@@ -25,8 +25,9 @@ import torch
 
 from ..errors import ConfigError, run_main
 from ..io import read_json
+from ..seeding import derive_seed
 from . import distributed, engine, models, pool
-from .sampling import derive_seed
+from .settings import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
             f"model {job.model} has {vocab} token embeddings but the tokenizer in results/tokenizer has "
             f"{len(tokenizer)} tokens; set tokenizer.name to the model's own tokenizer (model.name {job.model!r})."
         )
-    settings = engine.TrainSettings.from_config(config, float(job.learning_rate))
+    settings = TrainSettings.from_config(config, float(job.learning_rate))
     seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G,
                              float(job.learning_rate), secret=bool(config["privacy"].get("secret_seeds", False)))
     outcome = engine.train(model, train_pool, plan, settings, engine.RunPaths(job.run_dir), seeds, pad_id, dist=dist)

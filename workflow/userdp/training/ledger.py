@@ -1,9 +1,9 @@
 """The privacy ledger: the mechanism a run actually executed, and its epsilon.
 
 Training records WHAT ran (method, sampling rate, noise multiplier, clip
-norm, G, steps completed, delta); epsilon is then recomputed from those
-values by the accountant alone, as dp-accounting separates events from
-accountants. For a complete run it must equal the plan's epsilon_achieved;
+norm, G, steps completed, delta, and the dp-accounting event of those
+steps); epsilon is then recomputed from the event by the accountant alone,
+as dp-accounting separates events from accountants. For a complete run it must equal the plan's epsilon_achieved;
 a mismatch means training ran a different mechanism than was planned.
 When the plan spent part of its epsilon on DP contribution statistics
 (`contribution_stats`), the ledger records that release too and its epsilon
@@ -17,8 +17,11 @@ import platform
 from importlib import metadata
 from typing import Any, Callable
 
+#: Ledger fields that define the mechanism a run executed: runs that differ in any of them are different
+#: mechanisms (learning-rate selection refuses to compose such runs as one cell's).
 MECHANISM_FIELDS = (
     "method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size", "delta", "accountant",
+    "steps_completed",
 )
 
 
@@ -34,41 +37,40 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def _default_compute_epsilon() -> Callable[..., float]:
-    from ..privacy.accounting import compute_epsilon
+def run_event(record: dict[str, Any]) -> Any:
+    """The dp-accounting event of the steps a ledger (or a plan) records.
 
-    return compute_epsilon
-
-
-def recompute_epsilon(
-    method: str,
-    noise_multiplier: float,
-    sampling_rate: float,
-    steps: int,
-    delta: float,
-    group_size: int,
-    compute_epsilon: Callable[..., float] | None = None,
-    contribution_stats: dict | None = None,
-) -> float:
-    """Epsilon of `steps` steps of the mechanism; inf when there is no noise.
-
-    ULS accounting does not depend on G (a sampled user is one clipped unit),
-    so G is passed only for ELS. contribution_stats: the plan's record of the
-    DP contribution statistics release, if any; its DP event is composed with
-    the steps (it was spent whatever the number of steps, so 0 steps give its
-    epsilon alone).
+    The ledger's `dp_event` when it has one; a ledger written before events
+    were recorded is read from its mechanism fields (method, sampling rate,
+    noise multiplier, G, steps completed).
     """
-    from ..privacy.contribution_stats import events_from_record
+    from ..privacy import mechanism
 
-    extra = events_from_record(contribution_stats)
-    if noise_multiplier <= 0 and steps > 0:
-        return math.inf
-    if steps <= 0 and not extra:
-        return 0.0
-    fn = compute_epsilon or _default_compute_epsilon()
-    kwargs = {"extra_events": extra} if extra else {}  # injected stand-ins need not know the keyword
-    return float(fn(method, noise_multiplier, sampling_rate, max(int(steps), 0), delta,
-                    group_size=group_size if method == "els" else 1, **kwargs))
+    if record.get("dp_event") is not None:
+        return mechanism.event_from_json(record["dp_event"], "ledger dp_event")
+    if not float(record.get("noise_multiplier") or 0.0) > 0:
+        return mechanism.NON_PRIVATE  # a run without noise has no guarantee
+    steps_key = "steps_completed" if "steps_completed" in record else "steps"
+    return mechanism.from_record(record, steps_key).dp_event(float(record.get("noise_multiplier") or 0.0))
+
+
+def guarantee_epsilon(run_events: list, delta: float | None, contribution_stats: dict | None = None,
+                      accountant: Callable[..., float] | None = None) -> float:
+    """Epsilon at delta of the released runs' events composed with the DP contribution statistics, if any.
+
+    contribution_stats: the plan's record of the statistics release; it was
+    spent once, whatever the number of runs or steps. accountant: `(event,
+    delta) -> epsilon` (default `privacy.accounting.epsilon`; tests inject a
+    fast stand-in).
+    """
+    from ..privacy.accounting import epsilon
+    from ..privacy.contribution_stats import events_from_record
+    from ..privacy.mechanism import NON_PRIVATE, compose
+
+    if any(e == NON_PRIVATE for e in run_events):
+        return math.inf  # a run without noise has no guarantee, whatever else is composed with it
+    event = compose([*events_from_record(contribution_stats), *run_events])
+    return float((accountant or epsilon)(event, float(delta)))
 
 
 def build_ledger(
@@ -86,14 +88,20 @@ def build_ledger(
     resumed_at: list[int],
     compute_epsilon: Callable[..., float] | None = None,
 ) -> dict[str, Any]:
-    """The ledger.json record of a run (fields: artifacts.md, Runs)."""
+    """The ledger.json record of a run (fields: docs/artifacts.md, "Runs").
+
+    `dp_event` is the event of the steps that ran (the plan's mechanism for
+    `steps_completed` steps); `epsilon` is recomputed from it by the
+    accountant (`compute_epsilon`: `(event, delta) -> epsilon`), composed with
+    the DP contribution statistics when the plan spent part of its budget on them.
+    """
+    from ..privacy import mechanism
+
     noise = float(plan.get("noise_multiplier") or 0.0)
     delta = float(plan["delta"])
     stats = plan.get("contribution_stats")
-    eps = recompute_epsilon(
-        plan["method"], noise, float(plan["sampling_rate"]), steps_completed, delta, int(plan["group_size"]),
-        compute_epsilon=compute_epsilon, contribution_stats=stats,
-    )
+    event = mechanism.from_record(plan).dp_event(noise, int(steps_completed))
+    eps = guarantee_epsilon([event], delta, stats, compute_epsilon)
     budget = plan.get("compute_budget")
     ledger = {
         "method": plan["method"],
@@ -108,6 +116,7 @@ def build_ledger(
         "delta": delta,
         "accountant": plan.get("accountant"),
         "epsilon": eps,
+        "dp_event": mechanism.event_to_json(event),
         "epsilon_planned": plan.get("epsilon"),
         "epsilon_plan_achieved": plan.get("epsilon_achieved"),
         "expected_batch": float(expected_batch),

@@ -73,11 +73,23 @@ def build_model(model_cfg: dict[str, Any], vocab_size: int, sequence_length: int
     return model
 
 
-def load_model(name_or_path: str | os.PathLike, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """Load a causal LM in fp32 (weights stay fp32; bf16 is autocast only)."""
+def load_model(name_or_path: str | os.PathLike, device: torch.device | str = "cpu", *,
+               local: bool = False) -> torch.nn.Module:
+    """Load a causal LM in fp32 (weights stay fp32; bf16 is autocast only), in train mode.
+
+    The one model loader of the package (fine-tuning, pretraining with
+    model.name, evaluation). `name_or_path` is a Hugging Face hub id or a
+    folder; with `local=True` it must be a folder written by save_pretrained
+    (a pipeline artifact: a run's model/ or the pretrained model).
+    """
     from transformers import AutoModelForCausalLM
 
     text = str(name_or_path)
+    if local and not (Path(text) / "config.json").exists():
+        raise DataError(
+            f"model folder {text} has no config.json; the training (or pretraining) rule should have "
+            "written it with save_pretrained. Delete the folder and rerun that rule."
+        )
     if text.startswith(("/", "./", "../", "~")) and not Path(text).expanduser().exists():
         # a local path, not a hub id ("org/name"): say so instead of the hub's repo-id complaint
         raise DataError(f"cannot load a causal LM from {text}: the folder does not exist (model.name is a local "
@@ -117,7 +129,7 @@ def save_model_atomic(model: torch.nn.Module, out_dir: str | os.PathLike) -> Non
 
 
 def resolve_device(name: str) -> torch.device:
-    """training.device: auto = cuda when available, else cpu."""
+    """training.device (used by fine-tuning and evaluation): auto = cuda when available, else cpu."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """The bounded training pool: train users' examples after contribution bounding.
 
-Method section 2: each train user keeps at most G examples, a uniformly
+docs/method.md section 2: each train user keeps at most G examples, a uniformly
 random subset keyed by (seed, user id, the row's rank among the user's rows
 in example-id order) that never looks at the content. Each row's key is a
 function of those alone (a keyed hash of the user id, mixed with the rank),
@@ -25,10 +25,9 @@ small tables and in tests.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -37,6 +36,7 @@ import pyarrow.parquet as pq
 
 from ..errors import DataError
 from ..io import streaming_parquet
+from ..seeding import row_keys, user_hashes
 
 TOKEN_COLUMNS = ["user_id", "example_id", "split", "input_ids"]
 
@@ -143,55 +143,6 @@ def _has_adjacent_duplicates(users: np.ndarray, ex_sorted: np.ndarray, step: int
         if np.any((users[lo + 1:hi + 1] == users[lo:hi]) & (ex_sorted[lo + 1:hi + 1] == ex_sorted[lo:hi])):
             return True
     return False
-
-
-_HASH_PERSON = b"userdp.bound"  # blake2b personalisation: domain separation from other uses of the seed
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 (Steele et al. 2014) on a uint64 array: a bijection whose outputs look uniform.
-
-    Wrapping uint64 arithmetic, vectorised; returns a new array.
-    """
-    z = x + _GOLDEN
-    z ^= z >> np.uint64(30)
-    z *= _MIX1
-    z ^= z >> np.uint64(27)
-    z *= _MIX2
-    z ^= z >> np.uint64(31)
-    return z
-
-
-def user_hashes(user_ids: Sequence[str], seed: int) -> np.ndarray:
-    """A 64-bit keyed hash (blake2b, keyed by the seed) of each user id string [N] uint64.
-
-    One hash per distinct user (~0.6 us each: a second per million users);
-    it depends on the id string and the seed only.
-    """
-    keyed = hashlib.blake2b(digest_size=8, key=str(int(seed)).encode(), person=_HASH_PERSON)
-    ids = user_ids.tolist() if isinstance(user_ids, np.ndarray) else user_ids  # Python str: faster to encode
-
-    def digest(u: str) -> bytes:
-        h = keyed.copy()  # the keyed state is set up once, not per user
-        h.update(str(u).encode("utf-8"))
-        return h.digest()
-
-    digests = b"".join(map(digest, ids))
-    return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
-
-
-def row_keys(user_hash: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Uniform 64-bit key of each row from its user's hash and its position among the user's rows.
-
-    key = mix(h_u + mix(position)): for a fixed user it is a bijection of the
-    position, so a user's rows never tie, and it depends on nothing but
-    (seed, user id, the row's rank in the user's example-id order).
-    """
-    with np.errstate(over="ignore"):
-        return _mix64(user_hash + _mix64(positions.astype(np.int64).view(np.uint64)))
 
 
 def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, user_hash: np.ndarray, group_size: int,

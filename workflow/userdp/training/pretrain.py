@@ -21,8 +21,9 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import ConfigError, DataError
+from ..layout import PUBLIC_TOKENS
+from ..seeding import derive_seed
 from .models import build_model, load_model, load_tokenizer, save_model_atomic, special_ids
-from .sampling import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def public_tokens_path(config: dict) -> str:
             "model.name is null (build and pretrain a small model) but no dataset has a public part; "
             "set tokenizer.public_dataset to a dataset with public text, or set model.name to a pretrained model."
         )
-    return f"results/data/{name}/public_tokens.parquet"
+    return PUBLIC_TOKENS.format(dataset=name)
 
 
 def _load_public(path: str | Path, sequence_length: int) -> list[np.ndarray]:

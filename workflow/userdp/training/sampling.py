@@ -10,19 +10,9 @@ the privacy accounting.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
-
-
-def derive_seed(*parts: object) -> int:
-    """A stable 63-bit seed from any parts (config seed, cell fields, a purpose name).
-
-    Python's hash() is salted per process, so the parts are hashed with SHA-256.
-    """
-    text = "|".join(str(p) for p in parts)
-    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little") >> 1
 
 
 class PoissonSampler:

@@ -1,30 +1,41 @@
 """Helpers for workflow/rules/train.smk: run targets and rule inputs.
 
 Kept in the library (not in the .smk file) so the rules stay declarative and
-the path logic is unit-testable.
+the path logic is unit-testable. The paths are userdp.layout's templates.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import fmt_num, iter_cells
-from ..config import sorted_dict
+from .. import layout
+from ..layout import sorted_dict
+from .settings import RESULT_TRAINING_KEYS
 
-PRETRAINED = "results/model/pretrained"
-PRETRAINED_FILES = (f"{PRETRAINED}/model.safetensors", f"{PRETRAINED}/config.json")
-RUN_FILES = ("ledger.json", "train_log.parquet", "model/config.json", "model/model.safetensors")
+# The files rule `pretrain` writes (weights, config).
+PRETRAINED_FILES = (f"{layout.PRETRAINED}/{layout.MODEL_WEIGHTS}", f"{layout.PRETRAINED}/{layout.MODEL_CONFIG}")
+# The files rule `finetune` writes into a run folder (layout.RUN_DIR), by output name.
+RUN_FILES = {
+    "ledger": layout.LEDGER,
+    "train_log": layout.TRAIN_LOG,
+    "model": f"{layout.RUN_MODEL}/{layout.MODEL_WEIGHTS}",
+    "model_config": f"{layout.RUN_MODEL}/{layout.MODEL_CONFIG}",
+}
+
+
+def run_outputs(run_dir: str) -> dict[str, str]:
+    """The outputs of rule `finetune` (by name) for a run folder or run-folder template."""
+    return {name: f"{run_dir}/{file}" for name, file in RUN_FILES.items()}
 
 
 def run_dirs(config: dict) -> list[str]:
-    """Every run folder: each grid cell (userdp.config.iter_cells) x training.learning_rates."""
-    return [f"{cell.run_dir}/lr~{fmt_num(lr)}" for cell in iter_cells(config)
-            for lr in config["training"]["learning_rates"]]
+    """Every run folder: each grid cell (userdp.layout.iter_cells) x training.learning_rates."""
+    return [cell.lr_dir(lr) for cell in layout.iter_cells(config) for lr in config["training"]["learning_rates"]]
 
 
 def train_targets(config: dict) -> list[str]:
     """The files rule `finetune` writes for every run (plus the pretrained model if it is built)."""
-    out = [f"{d}/{name}" for d in run_dirs(config) for name in RUN_FILES]
+    out = [path for d in run_dirs(config) for path in run_outputs(d).values()]
     if not config["model"]["name"]:
         out += list(PRETRAINED_FILES)
     return out
@@ -34,7 +45,7 @@ def pretrain_inputs(config: dict) -> dict[str, str]:
     """Inputs of rule `pretrain`: the tokenizer, and the public tokens when there is pretraining to do."""
     from .pretrain import public_tokens_path
 
-    ins = {"tokenizer": "results/tokenizer/tokenizer.json"}
+    ins = {"tokenizer": layout.TOKENIZER}
     if not config["model"]["name"] and config["model"]["pretrain"]["steps"] > 0:
         ins["public"] = public_tokens_path(config)
     return ins
@@ -42,12 +53,12 @@ def pretrain_inputs(config: dict) -> dict[str, str]:
 
 def finetune_inputs(config: dict, wildcards: Any) -> dict[str, str]:
     """Inputs of rule `finetune` (and `finetune_group`) for one run."""
-    plan = f"results/plan/{wildcards.dataset}/method~{wildcards.method}/eps~{wildcards.eps}/budget~{wildcards.budget}"
     group = wildcards.get("group") if hasattr(wildcards, "get") else getattr(wildcards, "group", None)
+    cell = {k: getattr(wildcards, k) for k in ("dataset", "method", "eps", "budget")}
     ins = {
-        "plan": f"{plan}/group~{group}.json" if group else f"{plan}.json",
-        "tokens": f"results/data/{wildcards.dataset}/tokens.parquet",
-        "tokenizer": "results/tokenizer/tokenizer.json",
+        "plan": (layout.GROUP_PLAN if group else layout.PLAN).format(**cell, group=group),
+        "tokens": layout.TOKENS.format(dataset=wildcards.dataset),
+        "tokenizer": layout.TOKENIZER,
     }
     # A named model (model.name) is loaded as is; the small default comes from `pretrain`.
     if not config["model"]["name"]:
@@ -57,19 +68,7 @@ def finetune_inputs(config: dict, wildcards: Any) -> dict[str, str]:
 
 def base_model(config: dict) -> str:
     """What `finetune` loads: model.name, or the pretrained folder."""
-    return config["model"]["name"] or PRETRAINED
-
-
-# training.* keys that change the trained model. Left out on purpose (changing
-# them reruns nothing): threads, gpus (data-parallel ranks give the one-process
-# result up to float summation order), physical_batch_size (micro-batching sums
-# the same clipped per-unit gradients, only in another order; the ledger still
-# records the value the run used), checkpoint_every (a resumed run continues
-# the same RNG streams), learning_rates (the rate is the {lr} wildcard).
-# device IS kept: the noise is drawn from a generator on that device and the
-# CPU and CUDA generators give different streams, so a run on another device
-# is another draw of the mechanism, not the same result with other rounding.
-FINETUNE_TRAINING_KEYS = ("optimizer", "schedule", "warmup_steps", "precision", "uls_examples_per_user", "device")
+    return config["model"]["name"] or layout.PRETRAINED
 
 
 def model_spec(config: dict) -> dict[str, Any]:
@@ -97,14 +96,14 @@ def pretrain_params(config: dict) -> dict[str, Any]:
 def finetune_params(config: dict) -> dict[str, Any]:
     """Everything a fine-tuning run's result depends on besides its input files and wildcards.
 
-    Rule `finetune`'s `settings` param (and `finetune_group`'s): the training.*
-    keys in FINETUNE_TRAINING_KEYS, the sequence length (micro-batch width),
-    the config seed (bounding and run seeds), privacy.secret_seeds (where the
-    sampling and noise randomness comes from) and the model spec.
+    Rule `finetune`'s `settings` param (and `finetune_group`'s): what
+    userdp.training.settings declares (the training.* keys in
+    RESULT_TRAINING_KEYS, the sequence length, the config seed,
+    privacy.secret_seeds and the model spec).
     """
     tr = config["training"]
     return sorted_dict({
-        "training": {k: tr.get(k) for k in FINETUNE_TRAINING_KEYS},
+        "training": {k: tr.get(k) for k in RESULT_TRAINING_KEYS},
         "sequence_length": int(config["tokenizer"]["sequence_length"]),
         "seed": int(config["seed"]),
         "secret_seeds": bool(config["privacy"].get("secret_seeds", False)),

@@ -1,0 +1,229 @@
+"""The registry of figures: every figure of the pipeline is declared here, once.
+
+From these declarations come
+- the figure rules (workflow/rules/figures.smk makes one rule `plot_<name>`
+  per figure, with its inputs, its PNG and PDF outputs, its report entry
+  and its plot params),
+- the figure targets of rule `all` (`figure_targets`),
+- the dispatch of the one plot script (workflow/scripts/plot_figure.py
+  looks the figure up by its rule's name and calls `Figure.draw`).
+
+Paths, by convention from the figure's name:
+    results/figures/<name>_<dataset>.png|pdf  (per-dataset families)
+    results/figures/<name>.png|pdf            (one figure per workflow)
+    results/logs/figures/<name>[_<dataset>].log
+    workflow/report/<name>.rst                (the report caption)
+
+Adding a figure: write its plotting function (in a module of this package),
+register it below with `_register(Figure(...))`, and write its caption
+file. A new family also needs a `Family` with a `draw` adapter saying how
+its functions are called.
+
+Plotting functions are named by a string ("lm.loss_vs_epsilon", relative to
+this package) and imported only when drawn, so reading the registry (the
+Snakefile does, at every start) does not import matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .. import layout
+from ..data.targets import datasets_regex
+
+FORMATS = ("png", "pdf")
+FIGURE_DIR = "results/figures"
+LOG_DIR = layout.LOGS + "/figures"
+CAPTION_DIR = "workflow/report"
+
+#: draw adapter of a family: (plotting function, input paths by name, png, pdf, dataset or None, plot params)
+DrawFn = Callable[[Callable[..., Any], Mapping[str, str], str, str, "str | None", Mapping[str, Any]], None]
+
+
+def _load(path: str) -> Any:
+    """A Parquet table as a DataFrame, a JSON file as a dict."""
+    if path.endswith(".parquet"):
+        import pandas as pd
+
+        return pd.read_parquet(path)
+    from ..io import read_json
+
+    return read_json(path)
+
+
+def _draw_returned_figure(fn, inputs, png, pdf, dataset, params) -> None:
+    """`fn(<each input, loaded, by its name>, dataset=..., **params)` returns a Figure; save it as PNG and PDF."""
+    from .output import save_figure
+
+    save_figure(fn(**{k: _load(p) for k, p in inputs.items()}, dataset=dataset, **params), png, pdf)
+
+
+def _draw_mean_estimation(fn, inputs, png, pdf, dataset, params) -> None:
+    """`fn(results table, png, pdf, **params)` writes both files itself."""
+    fn(_load(inputs["results"]), png, pdf, **params)
+
+
+def _draw_contributions(fn, inputs, png, pdf, dataset, params) -> None:
+    """`fn(contributions.json path, png, pdf, dataset=...)` writes both files itself."""
+    fn(inputs["stats"], png, pdf, dataset=dataset, **params)
+
+
+def _draw_from_path(fn, inputs, png, pdf, dataset, params) -> None:
+    """`fn(path of the only input, png, pdf, **params)` writes both files itself."""
+    (path,) = inputs.values()
+    fn(path, png, pdf, **params)
+
+
+@dataclass(frozen=True)
+class Family:
+    """Figures drawn the same way from the same kind of artifact, and shown together in the report.
+
+    `datasets` lists, for a config, the datasets a per-dataset family has a
+    figure for (None: one figure per workflow). `dataset_regex`, if given,
+    constrains the rules' {dataset} wildcard. `report_formats` are the
+    formats shown in the report; with more than one, each entry is labelled
+    with its format.
+    """
+
+    name: str
+    category: str
+    draw: DrawFn
+    datasets: Callable[[Mapping], list[str]] | None = None
+    dataset_regex: Callable[[Mapping], str] | None = None
+    subcategory: str | None = None
+    report_formats: tuple[str, ...] = FORMATS
+
+    @property
+    def per_dataset(self) -> bool:
+        return self.datasets is not None
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure: its name (file stem, rule plot_<name>, caption <name>.rst), inputs and plotting function.
+
+    `inputs` maps input names to artifact paths ({dataset} in per-dataset
+    families). `labels` are its report labels. `params`, if given, computes
+    plot arguments from the config; they become rule params, so changing
+    the config value re-plots the figure.
+    """
+
+    name: str
+    family: Family
+    inputs: Mapping[str, str]
+    function: str
+    labels: Mapping[str, str] | None = None
+    params: Callable[[Mapping], dict] | None = field(default=None, compare=False)
+
+    @property
+    def rule(self) -> str:
+        return f"plot_{self.name}"
+
+    @property
+    def caption(self) -> str:
+        """The caption file, relative to the repository root."""
+        return f"{CAPTION_DIR}/{self.name}.rst"
+
+    def _stem(self, dataset: str | None) -> str:
+        if not self.family.per_dataset:
+            return self.name
+        return f"{self.name}_{dataset if dataset is not None else '{dataset}'}"
+
+    def path(self, fmt: str, dataset: str | None = None) -> str:
+        """The output file in format `fmt` (a template with {dataset} for per-dataset figures when no dataset)."""
+        return f"{FIGURE_DIR}/{self._stem(dataset)}.{fmt}"
+
+    @property
+    def log(self) -> str:
+        return f"{LOG_DIR}/{self._stem(None)}.log"
+
+    def report_labels(self, fmt: str) -> dict[str, str] | None:
+        """The report labels of the `fmt` file (its format added when the report shows several)."""
+        if len(self.family.report_formats) < 2:
+            return None if self.labels is None else dict(self.labels)
+        return {**(self.labels or {}), "format": fmt.upper()}
+
+    def plot_params(self, config: Mapping) -> dict:
+        return {} if self.params is None else dict(self.params(config))
+
+    def plot_function(self) -> Callable[..., Any]:
+        module, _, attr = self.function.rpartition(".")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+
+    def draw(self, inputs: Mapping[str, str], png: str, pdf: str, dataset: str | None = None, **params) -> None:
+        """Draw this figure from `inputs` (paths by name) into `png` and `pdf`."""
+        self.family.draw(self.plot_function(), inputs, str(png), str(pdf), dataset, params)
+
+
+LM = Family(
+    "lm", "Language-model fine-tuning", _draw_returned_figure, datasets=layout.grid_datasets, subcategory="{dataset}"
+)
+MEAN_ESTIMATION = Family("mean_estimation", "Mean estimation (synthetic)", _draw_mean_estimation)
+CONTRIBUTIONS = Family(
+    "contributions", "Data", _draw_contributions, datasets=lambda config: list(config["datasets"]),
+    dataset_regex=datasets_regex, report_formats=("png",),
+)
+ACCOUNTING = Family("accounting", "Accounting", _draw_from_path, report_formats=("png",))
+FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING)}
+
+#: name -> Figure, in the order of the report.
+FIGURES: dict[str, Figure] = {}
+
+
+def _register(figure: Figure) -> None:
+    if figure.name in FIGURES:
+        raise ValueError(f"figure {figure.name!r} is registered twice")
+    FIGURES[figure.name] = figure
+
+
+def _group_sweep_point(config: Mapping) -> dict:
+    # userdp.layout.iter_cells runs the G sweep at the first epsilon and budget.
+    return {"epsilon": float(config["grid"]["epsilons"][0]), "budget": int(config["grid"]["budgets"][0]["compute"])}
+
+
+_LM_SUMMARY = {"summary": layout.SUMMARY, "pretrained": layout.PRETRAINED_METRICS}
+_ME_RESULTS = {"results": layout.MEAN_ESTIMATION_RESULTS}
+
+_register(Figure("contributions", CONTRIBUTIONS, {"stats": layout.CONTRIBUTIONS},
+                 "contributions.plot_contributions", labels={"figure": "contributions", "dataset": "{dataset}"}))
+_register(Figure("noise_vs_group_size", ACCOUNTING, {"comparison": layout.ACCOUNTING_COMPARISON},
+                 "accounting.plot_noise_vs_group_size"))
+_register(Figure("lm_loss_vs_epsilon", LM, _LM_SUMMARY, "lm.loss_vs_epsilon",
+                 labels={"figure": "test loss vs epsilon"}))
+_register(Figure("lm_loss_vs_budget", LM, _LM_SUMMARY, "lm.loss_vs_budget",
+                 labels={"figure": "test loss vs compute budget"}))
+_register(Figure("lm_loss_vs_group_size", LM, _LM_SUMMARY, "lm.loss_vs_group_size",
+                 labels={"figure": "test loss vs group size G"}, params=_group_sweep_point))
+_register(Figure("training_curves", LM, {"curves": layout.TRAIN_CURVES},
+                 "lm.training_curves", labels={"figure": "training curves"}))
+_register(Figure("mean_estimation_vs_epsilon", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_epsilon",
+                 labels={"figure": "error vs epsilon"}))
+_register(Figure("mean_estimation_vs_diversity", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_diversity",
+                 labels={"figure": "error vs intra-user diversity"}))
+_register(Figure("mean_estimation_vs_budget", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_budget",
+                 labels={"figure": "error vs compute budget"}))
+_register(Figure("mean_estimation_vs_group_size", MEAN_ESTIMATION, _ME_RESULTS,
+                 "mean_estimation.plot_vs_group_size", labels={"figure": "error vs contribution bound G"}))
+
+
+def figure_of_rule(rule: str) -> Figure:
+    """The figure drawn by rule `rule` (plot_<name>)."""
+    for figure in FIGURES.values():
+        if figure.rule == rule:
+            return figure
+    raise ValueError(f"rule {rule!r} draws no registered figure; registered: {sorted(FIGURES)}")
+
+
+def figure_targets(config: Mapping, family: str | None = None) -> list[str]:
+    """PNG and PDF of every figure (of `family`, if given) the config asks for."""
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"unknown figure family {family!r}; known: {sorted(FAMILIES)}")
+    out = []
+    for figure in FIGURES.values():
+        if family is not None and figure.family.name != family:
+            continue
+        datasets = figure.family.datasets(config) if figure.family.per_dataset else [None]
+        out += [figure.path(fmt, d) for d in datasets for fmt in FORMATS]
+    return out
