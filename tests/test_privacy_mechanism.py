@@ -128,3 +128,18 @@ def test_lower_median_and_candidates_share_one_quantile_rule():
     hist = NoisyHistogram(np.array([1, 2, 4, 8]), np.array([1.0, 1.0, 1.0, 1.0]), 1.0)
     assert hist.median_group_size() == 2 and hist.group_size_candidates(0.99) == [1, 2, 4, 8]
     assert exact.dp_events == () and len(hist.dp_events) == 1
+
+
+def test_learning_rate_selection_composes_the_dp_statistics_release_once():
+    from userdp.evaluation.select import with_selection_epsilon
+
+    plan = dict(_plan("uls"), contribution_stats={"private": True, "dp_event": {"type": "LaplaceDpEvent",
+                                                                                 "noise_multiplier": 5.0}})
+    ledger = build_ledger(plan, steps_completed=30, expected_batch=5.0, n_train_users=10, n_pool_examples=40,
+                          examples_processed=150, users_processed=30, learning_rate=1e-3, training={},
+                          seeds={"run": 0}, resumed_at=[])
+    out = with_selection_epsilon(ledger, [ledger, ledger], ["a", "b"])
+    run = mechanism.ULS(0.05, 30, 4).dp_event(1.2)
+    once = accounting.epsilon(mechanism.compose([dp_accounting.LaplaceDpEvent(5.0), run, run]), 1e-5)
+    assert out["epsilon_including_lr_selection"] == once
+    assert once < accounting.epsilon(mechanism.compose([dp_accounting.LaplaceDpEvent(5.0)] * 2 + [run, run]), 1e-5)

@@ -211,8 +211,9 @@ class GroupPrivacyELS(ELS):
     name: ClassVar[str] = "group"
     accountant: ClassVar[str] = "pld_poisson_subsampled_gaussian+group_privacy"
 
-    def step_event(self, noise_multiplier: float) -> dp_accounting.DpEvent:
-        return ULS(self.sampling_rate, self.steps).step_event(noise_multiplier)
+    # What runs is the example-level Poisson-subsampled Gaussian: ULS's step at the example rate.
+    step_event = ULS.step_event
+    log_chi2_step = ULS.log_chi2_step
 
     def epsilon(self, noise_multiplier, delta, *, steps=None, extra_events=(),
                 discretization=accounting.FINE_DISCRETIZATION) -> float:
@@ -221,9 +222,6 @@ class GroupPrivacyELS(ELS):
         n = self.steps if steps is None else int(steps)
         return accounting.group_privacy_epsilon(noise_multiplier, self.sampling_rate, n, delta, self.group_size,
                                                 discretization)
-
-    def log_chi2_step(self, noise_multiplier: float) -> float:
-        return _log_chi2_subsampled_gaussian(noise_multiplier, self.sampling_rate)
 
     def calibration_target(self, epsilon, delta):
         """The example-level target (eps/G, delta / (G e^{(G-1) eps/G})) of the subsampled Gaussian."""
