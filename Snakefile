@@ -26,6 +26,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/figures.smk"
 include: "workflow/rules/experiments.smk"
+include: "workflow/rules/audit.smk"
 
 
 rule all:

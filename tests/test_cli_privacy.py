@@ -113,3 +113,21 @@ def test_group_size_with_uls_is_refused(capsys):
     assert main(["epsilon", "--method", "uls", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--steps", "10",
                  "--delta", "1e-6", "--group-size", "8"]) == 2
     assert "--group-size 8 has no effect with --method uls" in capsys.readouterr().err
+
+
+def test_selection_options_give_the_released_models_epsilon(capsys):
+    """--selection composed --runs k: the epsilon of k runs composed; calibrate meets it, per run below it."""
+    base = ["--method", "uls", "--sampling-rate", "0.02", "--steps", "100", "--delta", "1e-6", "--json"]
+    assert main(["epsilon", *base, "--noise-multiplier", "1.2", "--selection", "composed", "--runs", "3"]) == 0
+    three = json.loads(capsys.readouterr().out)
+    assert three["epsilon"] == pytest.approx(epsilon_of("uls", 1.2, 0.02, 300, 1e-6), rel=1e-9)
+    assert three["selection"] == {"accounting": "composed", "candidates": 3}
+    assert main(["calibrate", *base, "--epsilon", "2", "--selection", "random_stopping", "--runs", "10"]) == 0
+    rs = json.loads(capsys.readouterr().out)
+    assert rs["epsilon_achieved"] <= 2 and rs["epsilon_per_run"] < 2 and rs["steps"] == 100
+    assert rs["selection"]["mean_runs"] == 10 and rs["accountant"].startswith("rdp_")
+    assert main(["calibrate", *base, "--epsilon", "2", "--selection", "random_stopping", "--shape", "-1"]) == 2
+    assert "shape" in capsys.readouterr().err
+    # per_run is one run's epsilon: a number of runs with it is refused, not silently ignored
+    assert main(["epsilon", *base, "--noise-multiplier", "1.2", "--runs", "3"]) == 2
+    assert "--selection composed" in capsys.readouterr().err

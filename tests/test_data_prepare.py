@@ -134,6 +134,30 @@ def test_contribution_stats_fields(tmp_path):
     assert not any("group" in k.lower() or k == "G" for k in stats)
 
 
+def test_private_stats_write_only_the_users_per_split(tmp_path, caplog):
+    """privacy.contribution_stats.private: contributions.json and the log hold no count of examples."""
+    import logging
+
+    from userdp.data.prepare import PUBLIC_FIELDS
+
+    spec, src = synth_source(n_users=500, contributions_median=6)
+    with caplog.at_level(logging.INFO, logger="userdp.data.prepare"):
+        returned = prepare_dataset(src, "synth", spec, tmp_path / "dp", seed=0, private_stats=True)
+    stats = json.loads((tmp_path / "dp" / "contributions.json").read_text())
+    assert stats == returned
+    assert set(stats) == set(PUBLIC_FIELDS) | {"treated_as_public", "contribution_stats_private", "privacy_note"}
+    assert stats["treated_as_public"] is False and stats["contribution_stats_private"] is True
+    exact = prepare_dataset(synth_source(n_users=500, contributions_median=6)[1], "synth", spec, tmp_path / "x", seed=0)
+    assert stats["n_users"] == exact["n_users"]  # the public sizes are the same
+    # The data files are the same as without the option; only the statistics file changes.
+    for name in ("examples.parquet", "users.parquet"):
+        assert read(tmp_path / "dp", name).equals(read(tmp_path / "x", name))
+    log_text = " ".join(r.getMessage() for r in caplog.records)
+    numbers = {int(x) for x in __import__("re").findall(r"\d+", log_text)}
+    hidden = {exact["n_raw_examples"], exact["max_train"], *exact["n_examples"].values()}
+    assert not numbers & hidden, log_text
+
+
 def test_cleaning_and_dropped_counts(tmp_path):
     users = ["a", "a", "a", "b", "b", "c", "d", "d", "d"]
     texts = ["  hello\t\tworld \n", "", "   ", "x", None, "only one", "p", "q", "r"]

@@ -64,6 +64,8 @@ def test_build_summary_one_row_per_cell(tmp_path):
                 "dataset", "method", "budget", "seed", "train_final_loss"):
         assert col in summary.columns, col
     assert summary["ledger_epsilon"].dtype.kind == "f"  # "inf" strings from JSON came back as floats
+    # the released model's guarantee is the ledger's `epsilon` column, once (no copy under another name)
+    assert not {"epsilon_released", "epsilon_meaning"} & set(summary.columns)
     assert summary["train_final_loss"].iloc[0] == pytest.approx(1.0)
     assert len(curves) == 5 * len(cells)
     paths = [tmp_path / n for n in ("m.parquet", "m.csv", "c.parquet")]

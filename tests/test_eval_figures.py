@@ -110,7 +110,9 @@ def test_every_registered_figure_has_a_caption_a_function_and_its_own_rule():
         assert callable(fig.plot_function()), fig.function
         assert registry.figure_of_rule(fig.rule) is fig
     # Every caption file of a figure is registered (the front page is the workflow's).
-    captions = {p.stem for p in (REPO / registry.CAPTION_DIR).glob("*.rst")} - {"workflow"}
+    # (audit_table captions the audit's HTML table, a report item of rule audit_summary, not a figure)
+    captions = {p.stem for p in (REPO / registry.CAPTION_DIR).glob("*.rst")} - {"workflow", "audit_table"}
+    assert "audit_table.rst" in (REPO / "workflow/rules/audit.smk").read_text()
     assert captions == set(registry.FIGURES)
 
 
@@ -145,3 +147,54 @@ def test_registered_lm_figure_draws_from_its_inputs(tmp_path):
     registry.FIGURES["lm_loss_vs_epsilon"].draw({"summary": str(summary), "pretrained": str(pre)}, png, pdf,
                                                  dataset="synth")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and pdf.read_bytes()[:4] == b"%PDF"
+
+
+def test_lm_figures_say_which_epsilon_they_show():
+    """The footnote names the released model's guarantee, or the per-run target with the released factor."""
+    import pandas as pd
+
+    from userdp.plotting.lm import epsilon_note
+
+    released = pd.DataFrame({"epsilon": [1.0, math.inf], "ledger_epsilon": [0.999, math.inf],
+                             "ledger_epsilon_meaning": ["released model: the 3 learning-rate runs composed (target met by "
+                                                 "the selection)", "x"],
+                             "plan_epsilon_target_of": ["released model", "released model"]})
+    assert epsilon_note(released).startswith("ε = the released model's guarantee: the 3 learning-rate runs")
+    per_run = released.assign(ledger_epsilon=[1.77, math.inf], plan_epsilon_target_of=["each learning-rate run"] * 2)
+    note = epsilon_note(per_run)
+    assert "each learning-rate run's target" in note and "1.77-1.77x larger" in note
+    assert epsilon_note(released.drop(columns=["ledger_epsilon_meaning"])) == ""
+
+
+def test_contributions_figure_with_dp_statistics_draws_only_the_release(tmp_path):
+    """privacy.contribution_stats.private: the figure shows the DP histogram, no exact statistic of the counts
+    (its PDF text is scanned as tests/test_privacy_no_exact_stats.py scans a run); the default mode's figure,
+    drawn from the same counts, is flagged by the same scan."""
+    import json
+
+    import numpy as np
+    import pyarrow as pa
+
+    from leak_scan import exact_statistics, file_values, leaks_in
+    from userdp.data.prepare import contribution_stats, public_view
+    from userdp.plotting.contributions import plot_contributions
+    from userdp.privacy import contribution_stats as CS
+
+    rng = np.random.default_rng(0)
+    counts = np.clip(np.rint(np.exp(rng.normal(np.log(150), 0.5, 45))), 1, 437).astype(int)
+    counts[0] = 437
+    users = pa.table({"user_id": [f"u{i}" for i in range(counts.size)], "split": ["train"] * counts.size,
+                      "n_examples": counts})
+    stats = contribution_stats(users, {}, {}, int(counts.sum()))
+    targets = exact_statistics(counts, [counts.size], [])
+    (tmp_path / "exact.json").write_text(json.dumps(stats))
+    (tmp_path / "public.json").write_text(json.dumps(public_view({**stats, "dataset": "d"})))
+    (tmp_path / "release.json").write_text(json.dumps(CS.release(counts, 0.5, 20, 1, dataset="d", source="t")))
+    plot_contributions(tmp_path / "public.json", tmp_path / "dp.png", tmp_path / "dp.pdf", dataset="d",
+                       release=tmp_path / "release.json")
+    plot_contributions(tmp_path / "exact.json", tmp_path / "ex.png", tmp_path / "ex.pdf", dataset="d")
+    assert (tmp_path / "dp.png").stat().st_size > 10_000
+    shown = file_values(tmp_path / "dp.pdf")
+    assert float(counts.size) in {v for v, _ in shown.numbers}  # the title names N (public)
+    assert leaks_in(shown, targets) == []
+    assert any("total examples" in h for h in leaks_in(file_values(tmp_path / "ex.pdf"), targets))

@@ -39,7 +39,8 @@ def test_select_cell_writes_metrics_and_copies_the_chosen_run(tmp_path):
         d = tmp_path / f"lr~{lr}"
         write_json(d / "eval.json", ev(val, val - 0.5))
         write_json(d / "ledger.json", {"which": lr, **MECH})
-        pd.DataFrame({"step": [1, 2], "loss": [lr, lr]}).to_parquet(d / "train_log.parquet")
+        pd.DataFrame({"step": [1, 2], "update_signal_norm": [lr, lr], "loss": [lr, lr]}).to_parquet(
+            d / "train_log.parquet")
         evals.append(str(d / "eval.json"))
         ledgers.append(str(d / "ledger.json"))
         logs.append(str(d / "train_log.parquet"))
@@ -52,11 +53,14 @@ def test_select_cell_writes_metrics_and_copies_the_chosen_run(tmp_path):
     led = read_json(tmp_path / "ledger.json")
     assert led["which"] == 0.01 and led["learning_rates_tried"] == 2
     # two independent runs composed: 2T steps of the mechanism
-    assert led["epsilon_including_lr_selection"] == pytest.approx(
+    assert led["epsilon"] == pytest.approx(
         epsilon_of("uls", MECH["noise_multiplier"], MECH["sampling_rate"], 2 * MECH["steps_completed"],
                         MECH["delta"]), rel=1e-9)
-    assert led["epsilon_including_lr_selection"] > 1.2 * led["epsilon"]
-    assert pd.read_parquet(tmp_path / "train_log.parquet")["loss"].tolist() == [0.01, 0.01]
+    assert led["epsilon_one_run"] == MECH["epsilon"] and led["epsilon"] > 1.2 * led["epsilon_one_run"]
+    assert "2 learning-rate runs composed" in led["epsilon_meaning"]
+    cell_log = pd.read_parquet(tmp_path / "train_log.parquet")
+    assert cell_log["update_signal_norm"].tolist() == [0.01, 0.01]  # the chosen run's log
+    assert "loss" not in cell_log.columns  # a noise-free per-step value: only with training.debug_step_log
 
 
 def test_pretrained_metrics_have_the_same_fields_with_null_learning_rate():
@@ -75,8 +79,20 @@ def test_selection_epsilon_one_rate_nonprivate_and_mismatch(tmp_path):
     from userdp.evaluation.select import with_selection_epsilon
 
     one = with_selection_epsilon(MECH, [MECH], ["a"])
-    assert one["learning_rates_tried"] == 1 and one["epsilon_including_lr_selection"] == MECH["epsilon"]
+    assert one["learning_rates_tried"] == 1 and one["epsilon"] == MECH["epsilon"] == one["epsilon_one_run"]
     nonpriv = dict(MECH, noise_multiplier=0.0, epsilon=math.inf)
-    assert with_selection_epsilon(nonpriv, [nonpriv, nonpriv], ["a", "b"])["epsilon_including_lr_selection"] == math.inf
+    assert with_selection_epsilon(nonpriv, [nonpriv, nonpriv], ["a", "b"])["epsilon"] == math.inf
     with pytest.raises(DataError, match=r"b: the learning-rate runs of this cell ran different mechanisms \(noise_multiplier"):
         with_selection_epsilon(MECH, [MECH, dict(MECH, noise_multiplier=2.0)], ["a", "b"])
+
+
+def test_a_composed_plan_refuses_a_different_number_of_runs():
+    """The plan calibrated each run for k composed runs: selecting among another number is an error."""
+    from userdp.evaluation.select import with_selection_epsilon
+
+    led = dict(MECH, selection={"accounting": "composed", "candidates": 3})
+    with pytest.raises(DataError, match="among 3 learning-rate runs, but 2 ran"):
+        with_selection_epsilon(led, [led, led], ["a", "b"])
+    out = with_selection_epsilon(led, [led] * 3, ["a", "b", "c"])
+    assert out["epsilon"] == pytest.approx(epsilon_of("uls", 1.1, 0.05, 300, 1e-5), rel=1e-9)
+    assert out["selection"] == {"accounting": "composed", "candidates": 3}

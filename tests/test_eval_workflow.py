@@ -47,7 +47,8 @@ def build_inputs(root: Path) -> dict:
             run = root / cell.run_dir / f"lr~{fmt_num(lr)}"
             tiny_gpt2(run / "model", seed=100 + 10 * i + j)
             write_json(run / "ledger.json", {"method": cell.method, "learning_rate": lr, "steps_completed": 6})
-            pd.DataFrame({"step": range(1, 7), "loss": [4.5 - 0.1 * s - j for s in range(6)]}).to_parquet(
+            pd.DataFrame({"step": range(1, 7), "loss": [4.5 - 0.1 * s - j for s in range(6)],
+                          "update_signal_norm": [2.0 - 0.1 * s - j for s in range(6)]}).to_parquet(
                 run / "train_log.parquet")
     (root / "extra.yaml").write_text(yaml.safe_dump(CONFIG))
     return cfg

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from userdp.experiments.mean_estimation import workflow_targets
+from userdp.experiments.targets import workflow_targets
 from userdp.plotting.registry import figure_targets
 
 REPO = Path(__file__).resolve().parents[1]

@@ -181,8 +181,19 @@ def test_plan_and_ledger_compose_the_release(counts, method):
     assert plan["accountant"].endswith("+" + CS.ACCOUNTANT_SUFFIX) and "private" in plan["contribution_statistics"]
     assert plan["noise_multiplier"] > public["noise_multiplier"]  # same G, q: the release costs noise
     assert rec["epsilon_training_only"] < plan["epsilon_achieved"] <= eps
-    # N_G, mbar_G of the chosen G are exact (public sizes after bounding).
-    assert plan["n_train_examples_bounded"] == int(np.minimum(counts, plan["group_size"]).sum())
+    # N_G, mbar_G come from the release (only N is read from the counts): no exact sum in the plan, and the
+    # sampling rate is the budget's on the release's sizes (docs/privacy.md, "What is treated as public").
+    G = plan["group_size"]
+    assert plan["planning_sizes"] == "DP histogram" and plan["n_train_examples"] is None
+    assert plan["n_train_users"] == counts.size
+    assert plan["mean_bounded_contribution"] == hist.mean_bounded(G)
+    assert plan["n_train_examples_bounded"] == pytest.approx(counts.size * hist.mean_bounded(G), rel=1e-12)
+    if G > 1:  # (with G = 1, N_G = N, the public size)
+        assert plan["n_train_examples_bounded"] != int(np.minimum(counts, G).sum())
+    if method == "els":
+        assert plan["sampling_rate"] == pytest.approx(K / T / (counts.size * hist.mean_bounded(G)), rel=1e-12)
+    else:
+        assert plan["sampling_rate"] == pytest.approx(K / (T * hist.mean_bounded(G)) / counts.size, rel=1e-12)
     # Invariant 6: epsilon recomputed from the ledger equals the planned one, and meets the target.
     ledger = ledger_of(plan, T)
     assert ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9)
@@ -285,8 +296,9 @@ def test_snakemake_wires_the_release_and_the_row_counts(tmp_path):
     release = json.loads((root / "results/data/tiny/contributions_dp.json").read_text())
     assert release["epsilon"] == 0.5 and "tokens.parquet" in release["count_source"]
     assert plan["contribution_stats"]["file"].endswith("contributions_dp.json")
-    assert plan["n_train_examples"] == 2 * int(np.sum(pd.read_parquet(root / "results/data/tiny/users.parquet")
-                                                      .query("split == 'train'")["n_examples"]))
+    # The exact row total is a statistic of the counts: not in the plan (N_G, mbar_G come from the release).
+    assert plan["n_train_examples"] is None and plan["planning_sizes"] == "DP histogram"
+    assert plan["n_train_users"] == 251
     assert "tokens.parquet" in plan["contribution_counts"] and plan["median_train"] is None
     assert plan["epsilon_achieved"] <= 4
 

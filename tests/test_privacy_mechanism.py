@@ -141,5 +141,5 @@ def test_learning_rate_selection_composes_the_dp_statistics_release_once():
     out = with_selection_epsilon(ledger, [ledger, ledger], ["a", "b"])
     run = mechanism.ULS(0.05, 30, 4).dp_event(1.2)
     once = accounting.epsilon(mechanism.compose([dp_accounting.LaplaceDpEvent(5.0), run, run]), 1e-5)
-    assert out["epsilon_including_lr_selection"] == once
+    assert out["epsilon"] == once and out["epsilon_one_run"] == ledger["epsilon"]
     assert once < accounting.epsilon(mechanism.compose([dp_accounting.LaplaceDpEvent(5.0)] * 2 + [run, run]), 1e-5)

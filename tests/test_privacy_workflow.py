@@ -34,6 +34,8 @@ grid:
   group_size_sweep: [2]
 privacy:
   comparison: {sampling_rate: 0.05, steps: 20, delta: 1.0e-5, epsilons: [2, 8], group_sizes: [1, 4]}
+training:
+  learning_rates: [0.001, 0.01]
 """
 
 SNAKEFILE = """\
@@ -88,6 +90,9 @@ def test_plan_rules_produce_the_plans(tmp_path):
             assert plan["noise_multiplier"] == 0 and plan["epsilon"] == "inf" and plan["clip_norm"] is None
         else:
             assert plan["epsilon_achieved"] <= 2 and plan["noise_multiplier"] > 0
+            # The target is the released model's: each of the 2 learning-rate runs gets less on its own.
+            assert plan["selection"] == {"accounting": "composed", "candidates": 2}
+            assert plan["epsilon_target_of"] == "released model" and plan["epsilon_per_run"] < 0.8 * 2
         if "group~2" in path:
             assert plan["group_size"] == 2
     els = json.loads((tmp_path / plans[0]).read_text())

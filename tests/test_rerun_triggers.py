@@ -103,7 +103,11 @@ SCENARIOS = {
         "training.threads": 2, "training.checkpoint_every": 3, "training.physical_batch_size": 128,
         "evaluation.batch_size": 7, "evaluation.mem_mb": 3000, "tokenizer.batch_rows": 50, "tokenizer.threads": 1,
         "resources.finetune_mem_mb": 3000,
+        # explicit false resolves to what null gives a synthetic dataset: the same params
+        "privacy.secret_seeds": False,
     })),
+    "secret_seeds": changed(**{"privacy.secret_seeds": True}),
+    "debug_step_log": changed(**{"training.debug_step_log": True}),
     "optimizer": changed(**{"training.optimizer": "sgd"}),
     "device": changed(**{"training.device": "cpu"}),
     "model": changed(**{"model.n_layer": 2}),
@@ -111,6 +115,9 @@ SCENARIOS = {
     "comparison": changed(**{"privacy.comparison.steps": 21}),
     "uls_group_rule": changed(**{"privacy.group_size.uls": 2}),
     "add_epsilon": changed(**{"grid.epsilons": [4, 8]}),
+    # composed (default): the number of learning rates is part of every plan (each run is calibrated for k runs)
+    "more_learning_rates": changed(**{"training.learning_rates": [0.003, 0.01]}),
+    "selection_per_run": changed(**{"privacy.selection.accounting": "per_run"}),
 }
 
 
@@ -165,6 +172,20 @@ def test_model_keys_rerun_pretraining_and_training(plans, scenario):
 
 
 @pytest.mark.integration
+def test_secret_seeds_rerun_the_runs_whose_resolved_value_changes(plans):
+    """tiny.yaml's dataset is synthetic (null resolves to derived): true reruns its runs, false (above) nothing."""
+    jobs, _ = plans["secret_seeds"]
+    assert set(jobs) == AFTER_FINETUNE
+    assert jobs["finetune"] == 4 and jobs["finetune_group"] == 2
+
+
+@pytest.mark.integration
+def test_debug_step_log_reruns_training_and_the_cells_logs(plans):
+    jobs, _ = plans["debug_step_log"]
+    assert set(jobs) == AFTER_FINETUNE and jobs["select_lr"] >= 1
+
+
+@pytest.mark.integration
 def test_comparison_reruns_only_the_comparison(plans):
     jobs, _ = plans["comparison"]
     assert set(jobs) == {"accounting_comparison", "plot_noise_vs_group_size"}
@@ -192,6 +213,20 @@ def test_adding_an_epsilon_leaves_existing_cells_alone(plans):
     assert not [o for o in outputs if "/eps~4/" in o or "method~els/eps~inf" in o]
     assert "plan_group_sweep" not in jobs and "finetune_group" not in jobs
     assert jobs["finetune"] == 3
+
+
+@pytest.mark.integration
+def test_the_number_of_learning_rates_replans_every_cell_in_composed_mode(plans):
+    jobs, outputs = plans["more_learning_rates"]
+    assert jobs["plan"] == 4 and jobs["plan_group_sweep"] == 2
+    # the old rate's runs retrain (their plans changed) and the new rate's are added
+    assert jobs["finetune"] == 8 and jobs["finetune_group"] == 4
+
+
+@pytest.mark.integration
+def test_switching_the_selection_accounting_replans_every_cell(plans):
+    jobs, _ = plans["selection_per_run"]
+    assert jobs["plan"] == 4 and jobs["plan_group_sweep"] == 2 and jobs["finetune"] == 4
 
 
 # --- the claims behind the choice of params -----------------------------------

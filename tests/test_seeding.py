@@ -11,8 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from userdp.seeding import (derive_seed, derive_seed_crc32, hash_unit, row_keys, seed_sequence, split_seed,
-                            splitmix64, user_hashes)
+import pytest
+
+from userdp.seeding import (SAMPLE_PERSON, derive_seed, derive_seed_crc32, hash_unit, row_keys, seed_sequence,
+                            split_seed, splitmix64, step_draws, user_hashes)
 
 
 def test_derive_seed_known_values():
@@ -53,3 +55,21 @@ def test_bounding_keys_known_values():
         4454485306037461803, 9014972373595280277, 2183569393218114433]
     assert [int(x) for x in row_keys(user_hashes(["a", "b"], 3), np.array([0, 5]))] == [
         7799067197327303226, 1695413712754639320]
+
+
+def test_sampling_keys_and_step_draws_known_values():
+    """The Poisson sampler's unit keys (sampling personalisation, not the bounding one) and per-step draws."""
+    h = user_hashes(["user0", "user1", "ümlaut"], 9, person=SAMPLE_PERSON)
+    assert [int(x) for x in h] == [11791317760900332672, 11152272049585340535, 13400453122885410911]
+    assert [int(x) for x in step_draws(h, 0)] == [265619918601434341, 5502208831294724610, 11012931215788670357]
+    assert [int(x) for x in step_draws(h, 41, 1)] == [14410129406355726210, 10703215293496513924,
+                                                      3943736760613898786]
+    # the definition, written out: splitmix64(key + splitmix64(step ^ (stream << 56)))
+    with np.errstate(over="ignore"):
+        off = splitmix64(np.array([41 ^ (1 << 56)], dtype=np.uint64))[0]
+        assert np.array_equal(step_draws(h, 41, 1), splitmix64(h + off))
+    keys = np.arange(3 * (1 << 16) + 5, dtype=np.uint64)  # several chunks of the in-place loop
+    with np.errstate(over="ignore"):
+        assert np.array_equal(step_draws(keys, 3), splitmix64(keys + splitmix64(np.array([3], np.uint64))[0]))
+    with pytest.raises(ValueError):
+        step_draws(h, -1)

@@ -3,8 +3,10 @@
 The same seeds give the same parameters (float64 model; only the summation
 order differs, so equality is to rtol 1e-10), the same train log and the same
 ledger; noise is added once (std sigma C, the very draws of one process); a
-checkpoint written by 2 processes resumes in 1; and the torchrun launcher of
-rule finetune produces the outputs of an in-process job.
+checkpoint written by 2 processes resumes in 1; the torchrun launcher of
+rule finetune produces the outputs of an in-process job; and the same spawn
+runs the two-process case of the neighbouring-dataset replay
+(tests/test_replay_neighbouring.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
+from test_replay_neighbouring import check_two_process_replay, two_process_records
 from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model, tokens_table
 from userdp.io import read_json
 from userdp.seeding import derive_seed
@@ -53,7 +56,8 @@ def make_pool(G: int):
 
 def settings(**kw):
     base = dict(learning_rate=1e-2, optimizer="adam", schedule="cosine", warmup_steps=1, physical_batch_size=2,
-                sequence_length=SEQ, checkpoint_every=2, device="cpu", log_every_s=1e9)
+                sequence_length=SEQ, checkpoint_every=2, device="cpu", log_every_s=1e9,
+                debug_step_log=True)  # every per-step column written, to compare them with one process
     base.update(kw)
     return TrainSettings(**base)
 
@@ -97,6 +101,8 @@ def _worker(rank: int, world: int, root: str) -> None:
         # privacy.secret_seeds: rank 0's fresh entropy must reach every rank (same Poisson sample everywhere)
         secret = engine.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01, secret=True)
         results["secret_seeds"] = engine.draw_secret_seeds(secret, ctx, torch.device("cpu"))
+        # the neighbouring-dataset replay's two-process case (tests/test_replay_neighbouring.py), in this spawn
+        results["replay"] = two_process_records(root / "replay" / f"rank{rank}")
         torch.save(results, root / f"rank{rank}.pt")
     finally:
         torch_dist.destroy_process_group()
@@ -134,7 +140,7 @@ def test_two_processes_match_one(runs, name):
     log = pd.read_parquet(root / "dist" / name / "train_log.parquet")
     exact = ["step", "realised_examples", "realised_users", "realised_units", "examples_processed", "learning_rate"]
     pd.testing.assert_frame_equal(log[exact], ref.log[exact])
-    for col in ("loss", "clipped_fraction", "mean_unit_norm"):
+    for col in ("loss", "clipped_fraction", "mean_unit_norm", "update_norm", "update_signal_norm"):
         np.testing.assert_allclose(log[col], ref.log[col], rtol=1e-10)
     assert log["realised_units"].sum() > T  # several micro-batches per step, so both ranks had work
     assert not (root / "dist" / name / "checkpoint").exists()
@@ -152,6 +158,13 @@ def test_noise_added_once_with_std_sigma_c(runs):
     n = noise.numel()
     assert abs(float(noise.std()) / std - 1) < 5 / math.sqrt(2 * n)  # twice the noise would be sqrt(2) std
     assert abs(float(noise.mean())) < 5 * std / math.sqrt(n)
+
+
+def test_neighbouring_replay_with_two_processes(runs):
+    """Invariant 7 (docs/method.md section 11) with two processes: on D and D minus the largest user the
+    other units and the noise are the same and the clipped sums differ by at most k_t C at every step."""
+    root, ranks, _ = runs
+    check_two_process_replay([r["replay"] for r in ranks], root / "replay" / "single")
 
 
 def test_checkpoint_of_two_processes_resumes_in_one(runs):

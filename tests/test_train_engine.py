@@ -15,7 +15,7 @@ from scipy import stats
 from train_fixtures import SEQ, VOCAB, ConstantGradients, LoopGradients, plan_for, tiny_model, tokens_table
 from userdp.errors import ConfigError, DataError
 from userdp.io import read_json
-from userdp.training import engine
+from userdp.training import engine, step_log
 from userdp.training.noise import GaussianNoise
 from userdp.training.optim import LRMultiplier
 from userdp.training.pool import build_pool
@@ -163,8 +163,13 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, pool, method, source):
         assert ledger["examples_processed"] == read_json(tmp_path / "ref" / "ledger.json")["examples_processed"]
         log = pd.read_parquet(path / "train_log.parquet")
         assert log["step"].tolist() == list(range(1, T + 1))
-        cols = ["step", "loss", "realised_examples", "realised_users", "examples_processed", "learning_rate"]
-        pd.testing.assert_frame_equal(log[cols], ref.log[cols])
+        # on disk: the guaranteed columns only (training.debug_step_log off), equal to the uninterrupted run's
+        assert list(log.columns) == step_log.GUARANTEED_COLUMNS
+        pd.testing.assert_frame_equal(log, pd.read_parquet(tmp_path / "ref" / "train_log.parquet"))
+        # in memory (and in the checkpoint) every column, resumed rows included
+        cols = ["step", "loss", "realised_examples", "realised_users", "examples_processed", "learning_rate",
+                "update_norm", "update_signal_norm"]
+        pd.testing.assert_frame_equal(out.log[cols], ref.log[cols])
         assert not (path / "checkpoint").exists()  # removed once the outputs are written
         assert (path / "model" / "model.safetensors").exists()
     assert read_json(tmp_path / "a" / "ledger.json")["resumed_at_steps"] == [3]

@@ -38,7 +38,7 @@ def plan_targets():
 def all_targets():
     from userdp.training.targets import train_targets
     from userdp.evaluation.targets import evaluation_targets
-    from userdp.experiments.mean_estimation import workflow_targets as mean_estimation_targets
+    from userdp.experiments.targets import workflow_targets as mean_estimation_targets
     from userdp.plotting.registry import figure_targets
 
     return (

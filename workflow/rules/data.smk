@@ -8,6 +8,7 @@
 # (userdp.data.sources.has_public_part), so public.parquet / public_tokens.parquet rules exist only
 # for such datasets and no checkpoint is needed.
 from userdp import layout
+from userdp.privacy.targets import stats_private
 from userdp.data.targets import (
     datasets_regex,
     public_datasets_regex,
@@ -58,6 +59,9 @@ rule prepare_data:
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
+        # With DP contribution statistics contributions.json holds only the
+        # public sizes (users per split): the option changes this output.
+        contribution_stats_private=stats_private(config),
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:

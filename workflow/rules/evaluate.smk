@@ -4,7 +4,8 @@
 #
 # Validation and test users are disjoint from the training users (their data
 # is treated like test data). Choosing among k learning rates composes the k
-# runs: select_lr adds `epsilon_including_lr_selection` to the cell's ledger.
+# runs: select_lr writes the released model's epsilon (privacy.selection)
+# into the cell's ledger (userdp.evaluation.select).
 #
 # `evaluation_targets()` lists every file of this stage (for rule all);
 # `snakemake evaluation` builds them and the LM figures (figures.smk).
@@ -93,6 +94,8 @@ rule select_lr:
         cell=layout.CELL_RE,
     params:
         learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
+        # which train-log columns the cell releases (userdp.training.step_log)
+        debug_step_log=bool(config["training"]["debug_step_log"]),
     log:
         layout.LOG_SELECT_LR,
     threads: 1

@@ -5,7 +5,7 @@
 # learning rates, diversities or seeds does not recalibrate, and changing a
 # plot never recomputes anything.
 
-# Targets for rule all: userdp.experiments.mean_estimation.workflow_targets()
+# Targets for rule all: userdp.experiments.targets.workflow_targets()
 # (the results table) and the registry's figure targets.
 
 from userdp import layout

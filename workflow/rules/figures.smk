@@ -34,7 +34,7 @@ for _fig in FIGURES.values():
         name:
             _fig.rule
         input:
-            **_fig.inputs,
+            **_fig.inputs_for(config),
         output:
             **{fmt: _figure_output(_fig, fmt) for fmt in FORMATS},
         params:

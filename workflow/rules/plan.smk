@@ -32,7 +32,8 @@ rule contribution_stats_dp:
     params:
         settings=config["privacy"].get("contribution_stats", {}),
         seed=config["seed"],
-        secret=config["privacy"].get("secret_seeds", False),
+        # privacy.secret_seeds as resolved for this dataset (null: secret unless the source is synthetic)
+        secret=lambda wildcards: plan_inputs_lib.secret_seeds(config, wildcards.dataset),
     log:
         layout.LOG_CONTRIBUTIONS_DP,
     threads: 1
@@ -54,6 +55,7 @@ rule plan:
         privacy=_plan_privacy,
         steps=lambda wildcards: layout.steps_for_budget(config, wildcards.budget),
         reference_epsilon=_reference_epsilon,
+        selection=plan_inputs_lib.selection_param(config),
         group_size=None,
     log:
         layout.LOG_PLAN,
@@ -74,6 +76,7 @@ use rule plan as plan_group_sweep with:
         privacy=_plan_privacy,
         steps=lambda wildcards: layout.steps_for_budget(config, wildcards.budget),
         reference_epsilon=_reference_epsilon,
+        selection=plan_inputs_lib.selection_param(config),
         group_size=lambda wildcards: int(wildcards.group),
     log:
         layout.LOG_GROUP_PLAN,

@@ -17,7 +17,9 @@ from userdp.training.targets import (
 # Params hold exactly the settings that change a rule's result (see
 # userdp.training.targets.finetune_params / pretrain_params), so changing
 # e.g. training.optimizer reruns every run while training.threads,
-# physical_batch_size or checkpoint_every rerun nothing. The scripts read the
+# physical_batch_size or checkpoint_every rerun nothing; privacy.secret_seeds
+# enters as resolved per dataset (null: secret unless the source is synthetic),
+# so the param is a function of the {dataset} wildcard. The scripts read the
 # full config; every result-changing key they read must be in these params.
 # Paths: userdp.layout (a run folder per cell and learning rate).
 
@@ -50,7 +52,7 @@ rule finetune:
     params:
         lr=lambda wildcards: float(wildcards.lr),
         model=base_model(config),
-        settings=finetune_params(config),
+        settings=lambda wildcards: finetune_params(config, wildcards.dataset),
     log:
         layout.LOG_FINETUNE,
     threads: config["training"]["threads"]

@@ -7,6 +7,7 @@ import userdp.privacy.planner
 from userdp.layout import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
 from userdp.privacy.planner import plan_cell, read_counts
+from userdp.privacy.selection import Selection
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -34,6 +35,7 @@ def main() -> None:
         group_size=sm.params.group_size,
         reference_epsilon=sm.params.reference_epsilon,
         stats=stats,
+        selection=Selection.from_record(sm.params.selection),
     )
     # The exact median is a statistic of private data: left out when the G
     # rules use the DP statistics instead.

@@ -21,9 +21,14 @@ def main() -> None:
     seed = int(snakemake.params.seed)  # noqa: F821
     source = open_source(name, spec, data_dir=DOWNLOADS, seed=seed)
     out_dir = Path(snakemake.output.contributions).parent  # noqa: F821
-    stats = prepare_dataset(source, name, spec, out_dir, seed, batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]))  # noqa: F821
-    log.info("dataset %s: users %s, examples %s, median/max train contributions %s/%s, dropped %s",
-             name, stats["n_users"], stats["n_examples"], stats["median_train"], stats["max_train"], stats["dropped"])
+    private = bool(snakemake.params.contribution_stats_private)  # noqa: F821
+    stats = prepare_dataset(source, name, spec, out_dir, seed, batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]),  # noqa: F821
+                            private_stats=private)
+    if private:  # only the public sizes (userdp.data.prepare.public_view)
+        log.info("dataset %s: users %s", name, stats["n_users"])
+    else:
+        log.info("dataset %s: users %s, examples %s, median/max train contributions %s/%s, dropped %s",
+                 name, stats["n_users"], stats["n_examples"], stats["median_train"], stats["max_train"], stats["dropped"])
 
 
 userdp.errors.run_main(main, log)

@@ -1,7 +1,8 @@
 """Snakemake script: choose a cell's learning rate on validation users.
 
 Writes the cell's metrics.json (test metrics of the chosen rate) and copies
-that rate's ledger.json and train_log.parquet into the cell folder.
+that rate's ledger.json and train_log.parquet into the cell folder (the log
+with the columns training.debug_step_log allows).
 """
 
 from userdp.errors import run_main
@@ -21,6 +22,7 @@ def main() -> None:
         out_metrics=sm.output.metrics,
         out_ledger=sm.output.ledger,
         out_train_log=sm.output.train_log,
+        debug_step_log=bool(sm.params.debug_step_log),
     )
 
 

@@ -15,7 +15,13 @@ import userdp.logutil
 def main() -> None:
     from userdp.data.tokenize import tokenize_examples, tokenize_public
 
-    fn = tokenize_public if snakemake.rule == "tokenize_public" else tokenize_examples  # noqa: F821
+    from userdp.privacy.targets import stats_private
+
+    public = snakemake.rule == "tokenize_public"  # noqa: F821
+    fn = tokenize_public if public else tokenize_examples
+    # With DP contribution statistics the row and token counts of the private examples are not logged
+    # (docs/privacy.md, "What is treated as public"); read from the config: a log changes no result.
+    private_counts = not public and stats_private(snakemake.config)  # noqa: F821
     info = fn(
         snakemake.input.examples,  # noqa: F821
         Path(snakemake.input.tokenizer).parent,  # noqa: F821
@@ -24,7 +30,10 @@ def main() -> None:
         snakemake.params.long_examples,  # noqa: F821
         batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]),  # noqa: F821
         threads=int(snakemake.threads),  # noqa: F821
+        **({"log_rows": False} if private_counts else {}),
     )
+    if private_counts:
+        info = {k: info[k] for k in ("sequence_length", "long_examples")}
     log.info("wrote %s: %s", snakemake.output[0], info)  # noqa: F821
 
 

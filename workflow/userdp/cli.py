@@ -2,6 +2,11 @@
 
     userdp epsilon   --method els --noise-multiplier 1.1 --sampling-rate 0.01 --steps 1000 --group-size 8 --delta 1e-6
     userdp calibrate --method els --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --group-size 8
+    userdp calibrate --method uls --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --selection composed --runs 3
+
+--selection says what the epsilon is of: one run (default), the released
+model chosen among --runs learning-rate runs composed (the pipeline's
+default), or private selection by random stopping (--mean-runs, --shape).
 
 `--json` prints one JSON object with the plan's field names (docs/artifacts.md, "Command line").
 Invalid arguments exit with status 2 and a message naming the argument.
@@ -94,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
             help="compose the DP contribution statistics release (privacy.contribution_stats.epsilon: a Laplace "
             "histogram, pure epsilon-DP) with the T steps, as the pipeline's plans do",
         )
+        sp.add_argument(
+            "--selection", choices=["per_run", "composed", "random_stopping"], default="per_run",
+            help="what the epsilon is of: one run (per_run, default); the best of --runs learning-rate runs "
+            "composed (the pipeline's default, privacy.selection.accounting = composed); or private selection "
+            "by random stopping (Papernot & Steinke 2022; RDP) with --mean-runs and --shape",
+        )
+        sp.add_argument("--runs", type=_int_at_least("runs", 1), default=1,
+                        help="composed: the number k of learning-rate runs the released model is chosen from")
+        sp.add_argument("--mean-runs", type=_positive_float("mean runs"), default=None,
+                        help="random_stopping: the mean number of runs E[K] >= 1 (default: --runs)")
+        sp.add_argument("--shape", type=float, default=1.0,
+                        help="random_stopping: truncated negative binomial shape (1 geometric, 0 logarithmic)")
 
     e = sub.add_parser("epsilon", help="epsilon of T steps at a given noise multiplier")
     common(e)
@@ -130,10 +147,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     extra = (laplace_event(args.stats_epsilon),) if args.stats_epsilon is not None else ()
     try:
+        from .privacy.selection import Selection
+
+        if args.selection == "per_run" and args.runs > 1:
+            raise UserError(f"--runs {args.runs} with --selection per_run: per_run is one run's epsilon; for the model "
+                            "released from several learning-rate runs use --selection composed (or random_stopping).")
+        mean = None if args.selection != "random_stopping" else (args.mean_runs or float(args.runs))
+        selection = Selection(args.selection, args.runs, mean, args.shape if mean is not None else None)
         mech = mechanism.get(args.method, comparison=True)(args.sampling_rate, args.steps, args.group_size)
+        if args.selection != "per_run" and args.method == "group":
+            raise UserError("--selection composed / random_stopping is for the training methods els and uls.")
         if args.command == "epsilon":
-            eps = mech.epsilon(args.noise_multiplier, args.delta, discretization=args.discretization,
-                               extra_events=extra)
+            if args.selection == "per_run":
+                eps = mech.epsilon(args.noise_multiplier, args.delta, discretization=args.discretization,
+                                   extra_events=extra)
+            else:
+                eps = selection.released_epsilon(mech, args.noise_multiplier, args.delta, extra,
+                                                 args.discretization)
             record = {
                 "method": args.method,
                 "epsilon": eps,
@@ -144,14 +174,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "noise_multiplier": args.noise_multiplier,
                 "accountant": mech.accountant,
                 "discretization": args.discretization,
+                "selection": selection.record(),
             }
             if extra:
                 record["contribution_stats_epsilon"] = args.stats_epsilon
             _emit(record, args.json, f"epsilon = {eps:.6g} at delta = {args.delta:.3g}")
         else:
-            r = calibrate(mech, args.epsilon, args.delta, tolerance=args.tolerance,
+            r = calibrate(selection.calibration_mechanism(mech), args.epsilon, args.delta, tolerance=args.tolerance,
                           max_noise_multiplier=args.max_noise_multiplier, extra_events=extra)
             record = r.to_dict()
+            record.update(steps=args.steps, selection=selection.record())
+            if args.selection != "per_run" and r.noise_multiplier > 0:
+                record["epsilon_per_run"] = mech.epsilon(r.noise_multiplier, args.delta, extra_events=extra)
             if extra:
                 record["contribution_stats_epsilon"] = args.stats_epsilon
             _emit(

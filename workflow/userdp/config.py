@@ -179,9 +179,29 @@ def _check_semantics(config: dict, source: str) -> None:
     _check_uls_fits(config, source)
     _check_contribution_stats(config, source)
     _check_mean_estimation(config, source)
+    _check_audit(config, source)
 
 
 # ---------------------------------------------------------------- semantic checks
+
+
+def _check_audit(config: dict, source: str) -> None:
+    """audit.datasets are defined datasets; a canary example (bos + secret + eos) fits the sequence length."""
+    audit = config["audit"]
+    if audit["datasets"] is not None:
+        unknown = [d for d in audit["datasets"] if d not in config["datasets"]]
+        if unknown:
+            raise ConfigError(f"{source}: audit.datasets names unknown dataset(s) {unknown}; defined datasets: "
+                              f"{sorted(config['datasets'])}.")
+    seq = int(config["tokenizer"]["sequence_length"])
+    if audit["secret_length"] is not None and int(audit["secret_length"]) + 2 > seq:
+        raise ConfigError(
+            f"{source}: audit.secret_length is {audit['secret_length']}, but a canary example is bos + secret + "
+            f"eos and tokenizer.sequence_length is {seq}; set audit.secret_length to at most {seq - 2} (or null: "
+            "the longest that fits, up to 16)."
+        )
+    if audit["budget"] is not None:
+        _check_budgets([audit["budget"]], "audit.budget", "the audited runs' paths (budget~K)", source)
 
 
 def _check_dataset_keys(config: dict, source: str) -> None:
@@ -359,6 +379,20 @@ def _warn_ignored_settings(config: dict, source: str) -> None:
             "%s: training.precision is bf16 but training.device is cpu: bf16 autocast is used on CUDA only, so "
             "the runs train in fp32. Set training.precision: fp32 (or device: cuda/auto).", source,
         )
+    if config["privacy"].get("secret_seeds") is False:
+        from .data.sources import SOURCES
+        from .layout import grid_datasets
+
+        real = [d for d in grid_datasets(config)
+                if not SOURCES[config["datasets"][d]["source"]].synthetic]
+        if real:
+            log.warning(
+                "%s: privacy.secret_seeds is false and grid dataset(s) %s are not synthetic: their Poisson samples "
+                "and noise derive from `seed`, so anyone holding the config can regenerate the noise and the "
+                "guarantee does not hold against them (ledgers and summaries say so in guarantee_caveat). Leave "
+                "privacy.secret_seeds unset (null: secret for non-synthetic datasets) for models you release.",
+                source, real,
+            )
     gpus = int(training["gpus"])
     if training["device"] == "cpu" and gpus > 1:
         log.warning(

@@ -32,6 +32,10 @@ class PrivacyError(UserError):
     """A privacy target cannot be met (e.g. no noise level reaches epsilon)."""
 
 
+class AccountingLimitError(PrivacyError):
+    """An accountant call would exceed its documented memory bound (the PLD would be too large); refused up front."""
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 

@@ -20,10 +20,13 @@ import pyarrow.parquet as pq
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | None = None) -> Iterator[Path]:
     """Yield a temporary path in the target's folder; rename it to `path` on success.
 
     On an exception the temporary file is removed and `path` is untouched.
+    mode: the file's permissions (e.g. 0o600 for a secret), whatever the
+    umask; default what the umask allows (0o666 & ~umask). The temporary
+    file is 0600 while it is written either way (mkstemp).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -34,11 +37,13 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        # mkstemp creates 0600; give the artifact the permissions the umask allows.
-        umask = os.umask(0)
-        os.umask(umask)
+        # mkstemp creates 0600; give the artifact `mode` or the permissions the umask allows.
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
         if tmp_path.is_file():
-            os.chmod(tmp_path, 0o666 & ~umask)
+            os.chmod(tmp_path, mode)
         os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -130,6 +130,19 @@ MEAN_ESTIMATION_CALIBRATION = MEAN_ESTIMATION + "/calibration.parquet"
 MEAN_ESTIMATION_RESULTS = MEAN_ESTIMATION + "/results.parquet"
 MEAN_ESTIMATION_LR_SWEEP = MEAN_ESTIMATION + "/lr_sweep.parquet"
 
+# The user-level membership audit (target `audit`): canaries, the tokens the
+# audit trains on, and per audited cell its plan, run folder and scores.
+AUDIT = "results/audit/{dataset}"
+AUDIT_CANARIES = AUDIT + "/canaries.parquet"
+AUDIT_TOKENS = AUDIT + "/tokens.parquet"
+AUDIT_PLAN = AUDIT + "/plan/" + _SETTING + ".json"
+AUDIT_RUN_DIR = AUDIT + "/runs/" + _SETTING + "/" + _SEED + "/" + _LR
+AUDIT_SCORES = AUDIT + "/scores/" + _SETTING + "/" + _SEED + ".parquet"
+AUDIT_RESULT = AUDIT + "/scores/" + _SETTING + "/" + _SEED + ".json"
+AUDIT_SUMMARY = AUDIT + "/summary.parquet"
+AUDIT_SUMMARY_CSV = AUDIT + "/summary.csv"
+AUDIT_TABLE = AUDIT + "/table.html"
+
 # Logs, one per job.
 LOGS = "results/logs"
 LOG_DOWNLOAD = LOGS + "/data/download_{dataset}.log"
@@ -152,6 +165,11 @@ LOG_SELECT_LR = LOGS + "/select_lr/{dataset}/{cell}.log"
 LOG_AGGREGATE = LOGS + "/aggregate/{dataset}.log"
 LOG_MEAN_ESTIMATION_CALIBRATION = LOGS + "/mean_estimation/calibration.log"
 LOG_MEAN_ESTIMATION = LOGS + "/mean_estimation/run.log"
+LOG_AUDIT_CANARIES = LOGS + "/audit/{dataset}/canaries.log"
+LOG_AUDIT_PLAN = LOGS + "/audit/{dataset}/plan/" + _SETTING + ".log"
+LOG_AUDIT_FINETUNE = LOGS + "/audit/{dataset}/finetune/" + CELL + "/" + _LR + ".log"
+LOG_AUDIT_SCORE = LOGS + "/audit/{dataset}/score/" + CELL + ".log"
+LOG_AUDIT_SUMMARY = LOGS + "/audit/{dataset}/summary.log"
 
 
 def model_files(folder: str) -> list[str]:
@@ -277,6 +295,45 @@ def iter_cells(config: Mapping) -> Iterator[Cell]:
             for g in grid["group_size_sweep"]:
                 for seed in grid["seeds"]:
                     yield Cell(dataset, method, epsilons[0], int(b0["compute"]), int(b0["steps"]), int(seed), int(g))
+
+
+def audit_budget(config: Mapping) -> tuple[int, int]:
+    """(K, T) of the audit: audit.budget, or the first grid.budgets entry when it is null."""
+    b = config["audit"]["budget"] or config["grid"]["budgets"][0]
+    return int(b["compute"]), int(b["steps"])
+
+
+def audit_epsilons(config: Mapping) -> list[float]:
+    """The finite epsilons the audit trains at: audit.epsilons, or grid.epsilons when it is null."""
+    eps = config["audit"]["epsilons"]
+    return [float(e) for e in (config["grid"]["epsilons"] if eps is None else eps)]
+
+
+def audit_cells(config: Mapping) -> Iterator[Cell]:
+    """Every audited cell: audit.datasets x audit.methods x the audit epsilons (+ inf), at the audit budget.
+
+    The seed is audit.seed. The cells' files are AUDIT_* formatted with
+    `audit_wildcards(cell)`, never the grid's plan and run paths.
+    """
+    a = config["audit"]
+    compute, steps = audit_budget(config)
+    epsilons = audit_epsilons(config) + ([math.inf] if a["nonprivate"] else [])
+    datasets = grid_datasets(config) if a["datasets"] is None else list(a["datasets"])
+    for dataset in datasets:
+        for method in a["methods"]:
+            for eps in epsilons:
+                yield Cell(dataset, method, eps, compute, steps, int(a["seed"]))
+
+
+def audit_learning_rate(config: Mapping) -> float:
+    """The audit's one learning rate: audit.learning_rate, or the first of training.learning_rates."""
+    lr = config["audit"]["learning_rate"]
+    return float(config["training"]["learning_rates"][0] if lr is None else lr)
+
+
+def audit_wildcards(cell: Cell, config: Mapping) -> dict[str, str | int]:
+    """The wildcards of an audited cell's AUDIT_* paths (lr: the audit's learning rate)."""
+    return {**cell._wildcards(), "lr": fmt_num(audit_learning_rate(config))}
 
 
 # ---------------------------------------------------------------- canonical params

@@ -16,7 +16,11 @@ numbers and are not interchangeable:
 - `split_seed` + `hash_unit`: the user-split key and FNV-1a 64 + splitmix64
   of each user id's UTF-8 bytes -> [0, 1) (data preparation);
 - `user_hashes` + `row_keys`: blake2b keyed by the seed of each user id, mixed
-  with a row's rank by splitmix64 (contribution bounding of the training pool).
+  with a row's rank by splitmix64 (contribution bounding of the training pool;
+  with the sampling personalisation, the identities of the sampled units);
+- `step_draws`: splitmix64 of a unit's key and the step (Poisson sampling of
+  training: every unit's draw depends on its own identity, the seed and the
+  step alone, so removing a user changes no other unit's draws).
 
 Python's `hash` is salted per process, so none of them uses it. This module
 imports nothing from the pipeline stages.
@@ -134,16 +138,18 @@ def hash_unit(user_ids: pa.Array | pa.ChunkedArray, seed: int) -> np.ndarray:
 # ------------------------------------------------------------ bounding keys
 
 _BOUND_PERSON = b"userdp.bound"  # blake2b personalisation: domain separation from other uses of the seed
+SAMPLE_PERSON = b"userdp.sample"  # the same hash for the identities of Poisson-sampled units (training.sampling)
 
 
-def user_hashes(user_ids: Sequence[str], seed: int) -> np.ndarray:
+def user_hashes(user_ids: Sequence[str], seed: int, person: bytes = _BOUND_PERSON) -> np.ndarray:
     """A 64-bit keyed hash (blake2b, keyed by the seed) of each user id string [N] uint64.
 
-    The per-user key of contribution bounding. One hash per distinct user
-    (~0.6 us each: a second per million users); it depends on the id string
-    and the seed only.
+    The per-user key of contribution bounding (`person` = the bounding
+    personalisation, the default) or of sampling (`SAMPLE_PERSON`). One hash
+    per distinct user (~0.6 us each: a second per million users); it depends
+    on the id string, the seed and `person` only.
     """
-    keyed = hashlib.blake2b(digest_size=8, key=str(int(seed)).encode(), person=_BOUND_PERSON)
+    keyed = hashlib.blake2b(digest_size=8, key=str(int(seed)).encode(), person=person)
     ids = user_ids.tolist() if isinstance(user_ids, np.ndarray) else user_ids  # Python str: faster to encode
 
     def digest(u: str) -> bytes:
@@ -164,3 +170,43 @@ def row_keys(user_hash: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """
     with np.errstate(over="ignore"):
         return splitmix64(user_hash + splitmix64(positions.astype(np.int64).view(np.uint64)))
+
+
+# ------------------------------------------------------------ per-step draws
+
+_STEP_CHUNK = 1 << 16  # elements per pass: the work arrays stay in cache
+
+
+def step_draws(keys: np.ndarray, step: int, stream: int = 0) -> np.ndarray:
+    """A uniform 64-bit draw for every unit key at one step [N] uint64.
+
+    draw = splitmix64(key + splitmix64(step ^ (stream << 56))): for a fixed
+    key the inputs of distinct steps (and streams) differ, and so do those of
+    distinct keys at one step, so every (unit, step) pair gets its own
+    splitmix64 output; a unit's draw depends on nothing but its key, the
+    step and the stream. Keys should be uniform 64-bit values (`user_hashes`,
+    `row_keys`). step < 2^56, stream < 256.
+    """
+    if not 0 <= int(step) < (1 << 56) or not 0 <= int(stream) < 256:
+        raise ValueError(f"step must be in [0, 2^56) and stream in [0, 256), got {step}, {stream}")
+    offset = splitmix64(np.array([int(step) ^ (int(stream) << 56)], dtype=np.uint64))[0]
+    keys = np.asarray(keys, dtype=np.uint64)
+    out = np.empty_like(keys)
+    tmp = np.empty(min(_STEP_CHUNK, keys.shape[0]), dtype=np.uint64)
+    s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
+    with np.errstate(over="ignore"):
+        start = offset + _GOLDEN
+        # splitmix64(keys + offset) written in place, chunk by chunk (1.6x faster than `splitmix64` on 1e7 keys)
+        for lo in range(0, keys.shape[0], _STEP_CHUNK):
+            z = out[lo:lo + _STEP_CHUNK]
+            t = tmp[: z.shape[0]]
+            np.add(keys[lo:lo + _STEP_CHUNK], start, out=z)
+            np.right_shift(z, s30, out=t)
+            z ^= t
+            z *= _MIX1
+            np.right_shift(z, s27, out=t)
+            z ^= t
+            z *= _MIX2
+            np.right_shift(z, s31, out=t)
+            z ^= t
+    return out

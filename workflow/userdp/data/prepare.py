@@ -24,7 +24,9 @@ Split rules
 Privacy note: contribution statistics (counts per user, quantiles) are
 computed on the private data. As in the study, they are treated as public
 (like dataset sizes in standard DP-SGD practice); the JSON says so in
-`treated_as_public`.
+`treated_as_public`. With `private_stats` (`privacy.contribution_stats.private`)
+the JSON and the log hold only the public sizes, the number of users per
+split (`public_view`); the G rules then read the DP histogram instead.
 """
 
 from __future__ import annotations
@@ -218,12 +220,15 @@ def prepare_dataset(
     seed: int,
     batch_rows: int = 100_000,
     write_rows: int = 131_072,
+    private_stats: bool = False,
 ) -> dict:
     """Clean, group, split and count one dataset; write its artifacts into `out_dir`.
 
     Writes examples.parquet, users.parquet and contributions.json (all
     atomically; on an error none of them is left behind) and returns the
-    statistics written to contributions.json.
+    statistics written to contributions.json. With `private_stats` that is
+    `public_view` of them, and the log reports no row counts (the examples of
+    the train users are a statistic of their counts).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -241,7 +246,7 @@ def prepare_dataset(
         with ParquetBatchWriter(pass1, EXAMPLES_SCHEMA) as writer:
             buf: list[pa.Table] = []
             buffered = 0
-            progress = Progress(log, _expected_rows(source, limit), f"{name}: rows read")
+            progress = _NoProgress() if private_stats else Progress(log, _expected_rows(source, limit), f"{name}: rows read")
             for batch in _capped(source.iter_batches(batch_rows), limit):
                 n_raw += batch.num_rows
                 progress.update(batch.num_rows)
@@ -321,9 +326,13 @@ def prepare_dataset(
             _filter_examples(pass1, examples_path, users.column("user_id"), batch_rows)
         else:
             pass1.replace(examples_path)  # already complete; a rename is atomic
-        log.info("%s: %d rows read, %d users kept, dropped %s", name, n_raw, users.num_rows, dropped)
         stats = contribution_stats(users, dropped, dropped_users, n_raw)
         stats.update({"dataset": name, "source": spec.get("source"), "split_rule": _split_rule_text(validation, test, use_source), "min_examples_per_user": min_n})
+        if private_stats:
+            stats = public_view(stats)
+            log.info("%s: users per split %s (row counts withheld: DP contribution statistics)", name, stats["n_users"])
+        else:
+            log.info("%s: %d rows read, %d users kept, dropped %s", name, n_raw, users.num_rows, dropped)
         write_parquet(out_dir / "users.parquet", users)
         write_json(out_dir / "contributions.json", stats)
         return stats
@@ -401,6 +410,36 @@ def contribution_stats(users: pa.Table, dropped: dict, dropped_users: dict, n_ra
         "and like dataset sizes in standard DP-SGD practice; they are not covered by the DP guarantee."
     )
     return out
+
+
+#: contributions.json fields kept with DP contribution statistics: users per split and how the data was made.
+PUBLIC_FIELDS = ("dataset", "source", "split_rule", "min_examples_per_user", "n_users")
+
+
+def public_view(stats: dict) -> dict:
+    """contributions.json with `privacy.contribution_stats.private`: the public sizes only.
+
+    The number of users per split is public (docs/privacy.md, "What is treated
+    as public"); every count of examples (per split, read, dropped) and every
+    statistic of the train users' counts is left out. The G rules read the DP
+    histogram (contributions_dp.json) instead.
+    """
+    out = {k: stats[k] for k in PUBLIC_FIELDS if k in stats}
+    out["treated_as_public"] = False
+    out["contribution_stats_private"] = True
+    out["privacy_note"] = (
+        "privacy.contribution_stats.private is on: only the number of users per split is published; the "
+        "statistics of the train users' example counts are released with differential privacy in "
+        "contributions_dp.json and no exact statistic of them is written (docs/privacy.md)."
+    )
+    return out
+
+
+class _NoProgress:
+    """Stands in for logutil.Progress when the row counts must not be logged."""
+
+    def update(self, n: int = 1, extra: str = "") -> None:
+        pass
 
 
 def write_public(source, name: str, path: str | Path, batch_rows: int = 100_000) -> dict:

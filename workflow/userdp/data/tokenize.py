@@ -332,12 +332,14 @@ def _workers(threads: int, n_rows: int, batch_rows: int) -> int:
 
 def tokenize_examples(
     examples_path: str | Path, tok_dir: str | Path, out_path: str | Path, seq_len: int, mode: str = "truncate",
-    batch_rows: int = 10_000, threads: int = 1,
+    batch_rows: int = 10_000, threads: int = 1, log_rows: bool = True,
 ) -> dict:
     """Write tokens.parquet for examples.parquet, streaming in batches of `batch_rows`.
 
     `threads` > 1 encodes batches in that many worker processes (see
     `encoded_batches`); the output is byte-identical for any `threads`.
+    `log_rows=False` (DP contribution statistics) logs no progress counts: the
+    rows include the train users' examples, a statistic of their counts.
     """
     tok = load_tokenizer(tok_dir)
     bos, eos = _special(tok)
@@ -346,13 +348,14 @@ def tokenize_examples(
     next_id = 0
     pf = streaming_parquet(examples_path)
     n_rows = pf.metadata.num_rows
-    progress = Progress(log, n_rows, f"tokenize {Path(examples_path).parent.name}")
+    progress = Progress(log, n_rows, f"tokenize {Path(examples_path).parent.name}") if log_rows else None
     batches = pf.iter_batches(batch_size=batch_rows)
     # closing(): an error while writing shuts the worker pool down at once, not at garbage collection.
     encoded = contextlib.closing(encoded_batches(batches, tok, _workers(threads, n_rows, batch_rows)))
     with ParquetBatchWriter(out_path, schema) as writer, encoded as encoded:
         for batch, flat, lengths in encoded:
-            progress.update(batch.num_rows)
+            if progress is not None:
+                progress.update(batch.num_rows)
             ids, out_len, row = frame(flat, lengths, bos, eos, seq_len, mode)
             src_ids = batch.column("example_id").to_numpy()[row]
             if mode == "chunk":

@@ -10,12 +10,22 @@ Column names:
   nested objects are flattened with dots (`ledger_versions.torch`) and lists
   become JSON text, so the table also fits in a CSV; the dp-accounting
   events (`plan_dp_event`, `ledger_dp_event`) are one JSON-text column each;
+- `ledger_epsilon` is the released model's guarantee (learning-rate
+  selection included), next to `ledger_epsilon_one_run` and
+  `ledger_epsilon_meaning` (privacy.selection); `epsilon` is the grid target;
+- `seeds_mode` ("secret" / "derived") and `guarantee_caveat` (null, or the
+  sentence saying that anyone holding the config can regenerate the noise,
+  so the guarantee does not hold against them), from the ledger
+  (userdp.privacy.seed_secrecy);
 - from the chosen run's train log: train_final_loss (mean training loss over
-  the last 10% of logged steps) and train_steps_logged.
+  the last 10% of logged steps; NaN unless the log has the batch loss, i.e.
+  training.debug_step_log was on) and train_steps_logged.
 
 A second table, train_curves.parquet, holds each cell's per-step training
-loss (chosen learning rate) for the training-curve figure, so plotting never
-reads run folders.
+curve (chosen learning rate): the batch `loss` (NaN without
+training.debug_step_log) and `update_signal_norm` (inside the guarantee:
+training.step_log), for the training-curve figure, so plotting never reads
+run folders.
 """
 
 from __future__ import annotations
@@ -32,12 +42,16 @@ import pandas as pd
 from ..errors import DataError
 from ..io import atomic_path, read_json, write_parquet
 from ..layout import Cell, cell_of_dir
+from ..privacy import seed_secrecy
 from .targets import SUMMARY_INPUTS
 
 log = logging.getLogger(__name__)
 
 ID_COLUMNS = ["dataset", "method", "epsilon", "budget", "steps", "seed", "group_size", "is_group_sweep", "run_dir"]
-CURVE_COLUMNS = ["dataset", "method", "epsilon", "budget", "seed", "group_size", "is_group_sweep", "learning_rate", "step", "loss"]
+CURVE_VALUES = ["loss", "update_signal_norm"]  # per step; a column the log lacks is NaN
+CURVE_COLUMNS = ["dataset", "method", "epsilon", "budget", "seed", "group_size", "is_group_sweep", "learning_rate",
+                 "step", *CURVE_VALUES]
+SEEDS_COLUMNS = ["seeds_mode", "guarantee_caveat"]
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
 
 
@@ -71,15 +85,22 @@ def flatten(obj: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[st
 
 
 def train_log_stats(train_log: pd.DataFrame) -> dict[str, Any]:
-    """Final training loss (mean over the last 10% of logged steps) and steps logged."""
+    """Final training loss (mean over the last 10% of logged steps; NaN without the loss column) and steps logged."""
     if train_log.empty or "loss" not in train_log:
-        return {"train_final_loss": math.nan, "train_steps_logged": 0}
+        return {"train_final_loss": math.nan, "train_steps_logged": int(len(train_log))}
     tail = max(1, len(train_log) // 10)
     ordered = train_log.sort_values("step") if "step" in train_log else train_log
     return {
         "train_final_loss": float(ordered["loss"].iloc[-tail:].mean()),
         "train_steps_logged": int(len(train_log)),
     }
+
+
+def seeds_columns(ledger: Mapping) -> dict[str, Any]:
+    """`seeds_mode` and `guarantee_caveat` of a cell, from its ledger (older ledgers: from `seeds.secret`)."""
+    if ledger.get("seeds_mode") is not None:
+        return {k: ledger.get(k) for k in SEEDS_COLUMNS}
+    return seed_secrecy.seeds_fields(bool((ledger.get("seeds") or {}).get("secret")))
 
 
 def cell_row(cell: Cell, plan: Mapping, ledger: Mapping, metrics: Mapping, train_log: pd.DataFrame | None) -> dict:
@@ -97,8 +118,9 @@ def cell_row(cell: Cell, plan: Mapping, ledger: Mapping, metrics: Mapping, train
         "run_dir": cell.run_dir,
     }
     row.update(flatten(metrics))
+    row.update(seeds_columns(ledger))
     row.update(flatten(_events_as_text(plan), "plan_"))
-    row.update(flatten(_events_as_text(ledger), "ledger_"))
+    row.update(flatten(_events_as_text({k: v for k, v in ledger.items() if k not in SEEDS_COLUMNS}), "ledger_"))
     if train_log is not None:
         row.update(train_log_stats(train_log))
     return row
@@ -160,9 +182,11 @@ def build_summary(config: Mapping, inputs: Mapping[str, Sequence[str | os.PathLi
         train_log = pd.read_parquet(log_path) if log_path.exists() else None
         row = cell_row(cell, plan, ledger, metrics, train_log)
         rows.append(row)
-        if train_log is not None and {"step", "loss"} <= set(train_log.columns):
-            c = train_log[["step", "loss"]].copy()
-            for k in CURVE_COLUMNS[:-2]:
+        if train_log is not None and "step" in train_log.columns:
+            c = train_log[["step"]].copy()
+            for k in CURVE_VALUES:
+                c[k] = train_log[k].astype(float) if k in train_log.columns else math.nan
+            for k in CURVE_COLUMNS[: CURVE_COLUMNS.index("step")]:
                 c[k] = row.get(k)
             curves.append(c[CURVE_COLUMNS])
     summary = summary_frame(rows)

@@ -9,26 +9,30 @@ treated like test data (held out, not protected by the fine-tuning's DP
 guarantee). Choosing among k rates is NOT free for the training data: the
 choice is a function of k models trained on it. Each rate's run draws its own
 Poisson samples and noise (training.engine.run_seeds), so the k runs are
-independent mechanisms, and the released model's guarantee is bounded by
-their composition: k * T steps of the same mechanism (plus the DP
-contribution statistics release once, when there is one). The cell's ledger
-keeps `epsilon` (one run, as the study reports it) and adds
-`learning_rates_tried` and `epsilon_including_lr_selection` (the composition).
+independent mechanisms, and the released model's guarantee is that of the
+selection (`privacy.selection`, userdp.privacy.selection): their composition
+(plus the DP contribution statistics release once, when there is one), or the
+private-selection bound of random stopping. The cell's ledger is the chosen
+run's with `epsilon` replaced by that released guarantee; the run's own is
+kept as `epsilon_one_run`, with `learning_rates_tried` and `epsilon_meaning`.
+By default each run was calibrated so that the released guarantee meets the
+grid epsilon (docs/privacy.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Callable, Mapping
 
 from ..errors import DataError
-from ..io import atomic_path, read_json, write_json
+from ..io import read_json, write_json
 from ..training.ledger import MECHANISM_FIELDS, guarantee_epsilon, run_event
 from ..layout import fmt_num
+from ..privacy.selection import Selection
 
 log = logging.getLogger(__name__)
 
@@ -116,21 +120,31 @@ def pretrained_metrics(evaluation: Mapping) -> dict:
     return out
 
 
-def copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy a file so that `dst` appears only when complete."""
+def copy_train_log(src: str | os.PathLike, dst: str | os.PathLike, debug_step_log: bool) -> None:
+    """The released cell's train log: the run's, keeping only training.step_log.released_columns(debug_step_log).
+
+    Without training.debug_step_log the per-step noise-free columns (batch loss, realised sizes, timing) never
+    reach the cell, also from a run trained while the option was on.
+    """
+    import pandas as pd
+
+    from ..io import write_parquet
+    from ..training.step_log import released_columns
+
     if not Path(src).exists():
         raise DataError(f"{src} does not exist; the training rule should have written it.")
-    with atomic_path(dst, suffix=Path(dst).suffix) as tmp:
-        shutil.copyfile(src, tmp)
+    frame = pd.read_parquet(src)
+    write_parquet(dst, frame[[c for c in released_columns(debug_step_log) if c in frame.columns]])
 
 
 def with_selection_epsilon(chosen: dict, ledgers: list[dict], paths: list[str],
                            accountant: Callable[..., float] | None = None) -> dict:
-    """The chosen run's ledger plus the epsilon of choosing among all `ledgers`: their events composed.
+    """The chosen run's ledger, its `epsilon` the released model's: the selection among all `ledgers`.
 
     All runs of a cell must share the mechanism (same plan); a mismatch means
-    the runs come from different plans and is an error. The DP contribution
-    statistics release, when there is one, is composed once.
+    the runs come from different plans and is an error, as is a number of
+    runs other than the plan calibrated for. The DP contribution statistics
+    release, when there is one, is composed once.
     """
     for led, path in zip(ledgers, paths):
         diff = [k for k in MECHANISM_FIELDS if led.get(k) != chosen.get(k)]
@@ -140,15 +154,26 @@ def with_selection_epsilon(chosen: dict, ledgers: list[dict], paths: list[str],
                 "from the chosen run's); delete the cell's lr~* folders and rerun."
             )
     k = len(ledgers)
+    selection = Selection.from_record(chosen.get("selection"))
+    if selection.mode == "composed" and selection.candidates != k:
+        raise DataError(
+            f"{paths[0]}: the plan calibrated each run for a released model chosen among {selection.candidates} "
+            f"learning-rate runs, but {k} ran; rerun the cell's plan (training.learning_rates changed?)."
+        )
+    if selection.mode == "per_run":
+        selection = dataclasses.replace(selection, candidates=k)
     out = dict(chosen)
+    out["epsilon_one_run"] = chosen.get("epsilon")
     out["learning_rates_tried"] = k
-    if k == 1:
-        out["epsilon_including_lr_selection"] = chosen.get("epsilon")
+    out["selection"] = selection.record() | ({"candidates": k} if selection.mode == "per_run" else {})
+    if k == 1 and selection.mode != "random_stopping":
+        out["epsilon"] = chosen.get("epsilon")  # one run is the whole selection
     else:
-        out["epsilon_including_lr_selection"] = guarantee_epsilon(
-            [run_event(led) for led in ledgers], chosen.get("delta"), chosen.get("contribution_stats"), accountant)
-    log.info("epsilon of one run %s; of choosing among %d learning rates (composed) %.4g",
-             chosen.get("epsilon"), k, float(out["epsilon_including_lr_selection"]))
+        out["epsilon"] = guarantee_epsilon([run_event(led) for led in ledgers], chosen.get("delta"),
+                                           chosen.get("contribution_stats"), accountant, selection=selection)
+    out["epsilon_meaning"] = selection.meaning()
+    log.info("released model's epsilon %.4g (%s); one run's %s", float(out["epsilon"]), out["epsilon_meaning"],
+             chosen.get("epsilon"))
     return out
 
 
@@ -160,10 +185,13 @@ def select_cell(
     out_metrics: str,
     out_ledger: str,
     out_train_log: str,
+    debug_step_log: bool = False,
 ) -> dict:
     """Pick the cell's learning rate, write metrics.json, copy the chosen ledger and train log.
 
-    The lists are aligned: entry i belongs to `learning_rates[i]`.
+    The lists are aligned: entry i belongs to `learning_rates[i]`. The train
+    log is copied with the columns `training.debug_step_log` allows
+    (`copy_train_log`).
     """
     if not (len(learning_rates) == len(eval_paths) == len(ledger_paths) == len(train_log_paths)):
         raise ValueError("learning_rates, eval, ledger and train-log paths must be aligned lists")
@@ -174,6 +202,6 @@ def select_cell(
              {fmt_num(k): v.get("validation_loss") for k, v in evals.items()})
     ledgers = [read_json(p) for p in ledger_paths]
     write_json(out_ledger, with_selection_epsilon(ledgers[i], ledgers, ledger_paths))
-    copy_atomic(train_log_paths[i], out_train_log)
+    copy_train_log(train_log_paths[i], out_train_log, debug_step_log)
     write_json(out_metrics, metrics)
     return metrics

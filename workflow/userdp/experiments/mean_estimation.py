@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ConfigError
-from ..layout import MEAN_ESTIMATION_RESULTS, fmt_num
+from ..layout import fmt_num
 from ..privacy.contributions import ExactCounts
 from ..privacy.mechanism import METHODS as MECHANISMS
 from ..seeding import seed_sequence
@@ -44,11 +44,6 @@ METHODS = ("els", "uls")
 GROUP_SIZE_RULES = {"els": "median", "uls": "best_of_sweep"}
 
 CalibrateFn = Callable[..., Any]
-
-
-def workflow_targets() -> list[str]:
-    """The study's Snakemake targets: the results table (its figures: userdp.plotting.registry)."""
-    return [MEAN_ESTIMATION_RESULTS]
 
 
 @dataclass(frozen=True)
@@ -389,5 +384,5 @@ def uls_over_els(results: pd.DataFrame) -> pd.DataFrame:
 
 
 __all__ = [
-    "workflow_targets", "MeanEstimationSpec", "plan_calibrations", "calibrate_cells", "run_study", "summarise", "uls_over_els",
+    "MeanEstimationSpec", "plan_calibrations", "calibrate_cells", "run_study", "summarise", "uls_over_els",
 ]

@@ -1,4 +1,10 @@
-"""Figure: how many examples each train user contributes (log-log histogram)."""
+"""Figure: how many examples each train user contributes (log-log histogram).
+
+From the exact counts of contributions.json by default; with DP contribution
+statistics (`privacy.contribution_stats.private`) from the DP release
+(contributions_dp.json) alone, post-processed as the G rules read it, so the
+figure shows no exact statistic of the train users' counts.
+"""
 
 from __future__ import annotations
 
@@ -14,16 +20,22 @@ import numpy as np  # noqa: E402
 from ..io import atomic_path, read_json  # noqa: E402
 
 
-def plot_contributions(stats_path: str | Path, png: str | Path, pdf: str | Path | None = None, dataset: str | None = None) -> None:
+def plot_contributions(stats_path: str | Path, png: str | Path, pdf: str | Path | None = None, dataset: str | None = None,
+                       release: str | Path | None = None) -> None:
     """Plot the per-user contribution histogram of contributions.json to PNG (and PDF).
 
     Bins are powers of two (a log x-axis makes equal-width bins), the y-axis
     is log-scaled; the median and the 99th percentile are marked, since the
     median is the ELS heuristic for the contribution bound G and the tail is
-    what that bound cuts off.
+    what that bound cuts off. With `release` (the DP histogram's file) the
+    bars are its noisy counts as the G rules read them (rounded, clipped at 0)
+    and the marks are its quantiles (bin lower edges): `_plot_release`.
     """
     stats = read_json(stats_path)
     dataset = dataset or stats.get("dataset", "")
+    if release is not None:
+        _plot_release(stats, release, png, pdf, dataset)
+        return
     freq = stats.get("frequency_train") or {}
     n = np.repeat(np.asarray(freq.get("n_examples", []), dtype=float), np.asarray(freq.get("n_users", []), dtype=int))
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=150)
@@ -52,6 +64,46 @@ def plot_contributions(stats_path: str | Path, png: str | Path, pdf: str | Path 
     ax.set_ylabel("number of users")
     ax.set_title(f"Contributions per user: {dataset}\n{n_users:,} train users, {n_ex:,} examples")
     ax.grid(True, which="major", alpha=0.3)
+    _save(fig, png, pdf)
+
+
+def _plot_release(stats: dict, release: str | Path, png: str | Path, pdf: str | Path | None, dataset: str) -> None:
+    """The DP histogram of the counts (post-processing of the release; no exact statistic enters the figure).
+
+    The title names the number of train users (public) and eps_stats; the
+    example total and the exact quantiles are not drawn.
+    """
+    from ..privacy.contribution_stats import NoisyHistogram
+
+    hist = NoisyHistogram.from_release(read_json(release), str(release))
+    weights, edges = hist.weights, hist.lower_edges.astype(float)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=150)
+    if hist.total > 0:
+        last = int(np.flatnonzero(weights > 0)[-1])
+        widths = edges[: last + 1]  # bin [2^k, 2^(k+1)) has width 2^k
+        ax.bar(edges[: last + 1], weights[: last + 1], width=widths, align="edge", color="#8172B3",
+               edgecolor="white", label="train users per bin (DP, noisy)")
+        med, q99 = hist.median_group_size(), hist.quantile(0.99)
+        ax.axvline(med, color="#C44E52", lw=2, label=f"noisy median bin from {med:g}")
+        ax.axvline(q99, color="#DD8452", lw=1.5, ls="--", label=f"noisy 99th percentile bin from {q99:g}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.set_xlim(0.7, edges[last] * 2)
+        ax.set_ylim(0.8, weights.max() * 2)
+        ax.legend(framealpha=0.9, loc="upper right")
+    else:
+        ax.text(0.5, 0.5, "empty noisy histogram", ha="center", va="center", transform=ax.transAxes)
+    n_users = stats.get("n_users", {}).get("train", 0)
+    ax.set_xlabel("examples per user (log2 bins)")
+    ax.set_ylabel("number of users (noisy)")
+    ax.set_title(f"Contributions per user: {dataset}\n{n_users:,} train users; DP histogram, "
+                 f"\u03b5_stats = {hist.epsilon:g}")
+    ax.grid(True, which="major", alpha=0.3)
+    _save(fig, png, pdf)
+
+
+def _save(fig, png: str | Path, pdf: str | Path | None) -> None:
     fig.tight_layout()
     for path in [png] + ([pdf] if pdf else []):
         path = Path(path)

@@ -26,6 +26,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from ..privacy import seed_secrecy  # noqa: E402
+
 METHODS = {
     "els": {"color": "tab:blue", "marker": "o", "linestyle": "-", "label": "DP-SGD-ELS (example-level sampling)"},
     "uls": {"color": "tab:orange", "marker": "s", "linestyle": "--", "label": "DP-SGD-ULS (user-level sampling)"},
@@ -34,6 +36,7 @@ SHORT = {"els": "ELS", "uls": "ULS"}
 PRETRAINED_STYLE = {"color": "0.35", "linestyle": "-.", "linewidth": 1.5}
 LOSS_LABEL = "test loss (next-token cross-entropy, nats/token)"
 TRAIN_LOSS_LABEL = "training loss (batch mean cross-entropy, nats/token)"
+UPDATE_NORM_LABEL = "update signal norm (‖u‖² minus the noise's share, square root)"
 BUDGET_LABEL = "compute budget K (per-example gradient evaluations)"
 
 
@@ -155,7 +158,7 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
     _legend_below(fig, axes.flat[0])
     fig.suptitle(f"{dataset}: test loss vs privacy budget ε ({_seed_note(main)}; "
                  "learning rate chosen on validation users)", fontsize=11)
-    return fig
+    return seeds_footnote(epsilon_footnote(fig, summary), summary)
 
 
 def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: str) -> Figure:
@@ -193,7 +196,7 @@ def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: s
     if len(budgets) == 1:
         title += "\nonly one budget configured (grid.budgets): one point per line"
     ax.set_title(title, fontsize=11)
-    return fig
+    return seeds_footnote(epsilon_footnote(fig, summary), summary)
 
 
 def loss_vs_group_size(
@@ -250,6 +253,41 @@ def loss_vs_group_size(
         title = (f"{dataset}: test loss at the heuristic's G ({where})\n"
                  "no G sweep configured (grid.group_size_sweep is empty): only the heuristic's G is shown")
     ax.set_title(title, fontsize=11)
+    return seeds_footnote(epsilon_footnote(fig, summary), summary)
+
+
+def epsilon_note(summary: pd.DataFrame) -> str:
+    """Which epsilon the figure's ε axis shows: the released model's guarantee, or each run's (with the released)."""
+    if "ledger_epsilon_meaning" not in summary.columns or not len(summary):
+        return ""
+    private = summary[np.isfinite(pd.to_numeric(summary["epsilon"], errors="coerce"))]
+    meanings = sorted(set(private["ledger_epsilon_meaning"].dropna())) if len(private) else []
+    if not meanings:
+        return ""
+    target_per_run = "plan_epsilon_target_of" in private and (private["plan_epsilon_target_of"]
+                                                              == "each learning-rate run").any()
+    if not target_per_run:
+        return "ε = the released model's guarantee: " + "; ".join(m.removeprefix("released model: ") for m in meanings)
+    ratio = pd.to_numeric(private["ledger_epsilon"], errors="coerce") / pd.to_numeric(private["epsilon"])
+    return (f"ε = each learning-rate run's target (privacy.selection.accounting: per_run); the released models' "
+            f"guarantees are {ratio.min():.2f}-{ratio.max():.2f}x larger (summary column ledger_epsilon)")
+
+
+def epsilon_footnote(fig: Figure, summary: pd.DataFrame) -> Figure:
+    """`fig` with a footnote saying which epsilon its ε shows (`epsilon_note`)."""
+    note = epsilon_note(summary)
+    if note:
+        fig.text(0.005, 0.018, note, fontsize=6.5, color="0.3", ha="left", va="bottom")
+    return fig
+
+
+DERIVED_SEEDS_NOTE = f"privacy.secret_seeds: {seed_secrecy.DERIVED_CAVEAT}"
+
+
+def seeds_footnote(fig: Figure, summary: pd.DataFrame) -> Figure:
+    """`fig` with a footnote when any cell's seeds are derived (the summary's `seeds_mode`, from the ledgers)."""
+    if "seeds_mode" in summary.columns and (summary["seeds_mode"] == "derived").any():
+        fig.text(0.005, 0.002, DERIVED_SEEDS_NOTE, fontsize=6.5, color="0.3", ha="left", va="bottom")
     return fig
 
 
@@ -258,12 +296,24 @@ def smooth(values: pd.Series, window: int) -> pd.Series:
     return values.rolling(window=max(1, window), center=True, min_periods=1).mean()
 
 
+def curve_value(curves: pd.DataFrame) -> tuple[str, str, str]:
+    """(column, axis label, title phrase) the training-curve figure plots.
+
+    The batch loss when the logs have it (training.debug_step_log: a noise-free statistic, outside the
+    guarantee), else update_signal_norm (post-processing of the privatised updates: inside it).
+    """
+    if "update_signal_norm" not in curves.columns or ("loss" in curves.columns and curves["loss"].notna().any()):
+        return "loss", TRAIN_LOSS_LABEL, "training loss (outside the DP guarantee: training.debug_step_log)"
+    return "update_signal_norm", UPDATE_NORM_LABEL, "noise-corrected norm of the privatised update"
+
+
 def training_curves(curves: pd.DataFrame, dataset: str, window: int | None = None) -> Figure:
-    """Figure 7: smoothed training loss vs step for each main cell's chosen-LR run.
+    """Figure 7: smoothed training curve vs step for each main cell's chosen-LR run (`curve_value`).
 
     One panel per compute budget; colour encodes epsilon (non-private black),
     line style the method; each seed is its own line.
     """
+    value, value_label, value_title = curve_value(curves)
     main = curves[~curves["is_group_sweep"].astype(bool)] if len(curves) else curves
     budgets = sorted(main["budget"].unique()) if len(main) else []
     rows, cols = _grid_shape(max(1, len(budgets)))
@@ -278,7 +328,7 @@ def training_curves(curves: pd.DataFrame, dataset: str, window: int | None = Non
         for (m, e, seed), run in sub.groupby(["method", "epsilon", "seed"], sort=True):
             run = run.sort_values("step")
             st = _style(m)
-            ax.plot(run["step"], smooth(run["loss"], w), color=colours.get(e, "black"), linestyle=st["linestyle"],
+            ax.plot(run["step"], smooth(run[value], w), color=colours.get(e, "black"), linestyle=st["linestyle"],
                     linewidth=1.3, alpha=0.85)
         smooth_note = f"rolling mean over {w} steps" if w > 1 else "unsmoothed"
         ax.set_title(_budget_title(budget, int(sub["step"].max()) if len(sub) else None) + f"\n({smooth_note})",
@@ -288,7 +338,7 @@ def training_curves(curves: pd.DataFrame, dataset: str, window: int | None = Non
     for ax in axes.flat[len(budgets):]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
-        ax.set_ylabel(TRAIN_LOSS_LABEL)
+        ax.set_ylabel(value_label)
     handles = [Line2D([], [], color="0.3", linestyle=_style(m)["linestyle"], label=_style(m)["label"])
                for m in _method_order(main["method"].unique() if len(main) else [])]
     handles += [Line2D([], [], color=colours[e], label=_eps_label(e)) for e in finite]
@@ -298,7 +348,7 @@ def training_curves(curves: pd.DataFrame, dataset: str, window: int | None = Non
         fig.legend(handles=handles, loc="outside lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
     n = _n_seeds(main)
     seeds = "1 seed" if n == 1 else f"{n} seeds, one line each"
-    fig.suptitle(f"{dataset}: training loss of each cell's chosen-learning-rate run ({seeds}; G-sweep runs left out)",
+    fig.suptitle(f"{dataset}: {value_title}, each cell's chosen-learning-rate run ({seeds}; G-sweep runs left out)",
                  fontsize=11)
     if not len(main):
         axes[0, 0].text(0.5, 0.5, "no training logs", ha="center", va="center", transform=axes[0, 0].transAxes)

@@ -66,8 +66,9 @@ def _draw_mean_estimation(fn, inputs, png, pdf, dataset, params) -> None:
 
 
 def _draw_contributions(fn, inputs, png, pdf, dataset, params) -> None:
-    """`fn(contributions.json path, png, pdf, dataset=...)` writes both files itself."""
-    fn(inputs["stats"], png, pdf, dataset=dataset, **params)
+    """`fn(contributions.json path, png, pdf, dataset=..., release=contributions_dp.json path or None)` writes both
+    files itself; with DP contribution statistics it draws the release, never the exact counts."""
+    fn(inputs["stats"], png, pdf, dataset=dataset, release=inputs.get("release"), **params)
 
 
 def _draw_from_path(fn, inputs, png, pdf, dataset, params) -> None:
@@ -94,6 +95,8 @@ class Family:
     dataset_regex: Callable[[Mapping], str] | None = None
     subcategory: str | None = None
     report_formats: tuple[str, ...] = FORMATS
+    #: Whether rule `all` draws the family (False: only its own target, e.g. `snakemake audit`).
+    in_all: bool = True
 
     @property
     def per_dataset(self) -> bool:
@@ -107,7 +110,8 @@ class Figure:
     `inputs` maps input names to artifact paths ({dataset} in per-dataset
     families). `labels` are its report labels. `params`, if given, computes
     plot arguments from the config; they become rule params, so changing
-    the config value re-plots the figure.
+    the config value re-plots the figure. `config_inputs`, if given, adds
+    inputs that depend on the config (`inputs_for`).
     """
 
     name: str
@@ -116,6 +120,7 @@ class Figure:
     function: str
     labels: Mapping[str, str] | None = None
     params: Callable[[Mapping], dict] | None = field(default=None, compare=False)
+    config_inputs: Callable[[Mapping], Mapping[str, str]] | None = field(default=None, compare=False)
 
     @property
     def rule(self) -> str:
@@ -145,6 +150,10 @@ class Figure:
             return None if self.labels is None else dict(self.labels)
         return {**(self.labels or {}), "format": fmt.upper()}
 
+    def inputs_for(self, config: Mapping) -> dict[str, str]:
+        """The figure rule's inputs under `config`: `inputs` plus `config_inputs`."""
+        return {**self.inputs, **({} if self.config_inputs is None else self.config_inputs(config))}
+
     def plot_params(self, config: Mapping) -> dict:
         return {} if self.params is None else dict(self.params(config))
 
@@ -166,7 +175,18 @@ CONTRIBUTIONS = Family(
     dataset_regex=datasets_regex, report_formats=("png",),
 )
 ACCOUNTING = Family("accounting", "Accounting", _draw_from_path, report_formats=("png",))
-FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING)}
+
+
+def _audited_datasets(config: Mapping) -> list[str]:
+    from ..evaluation.audit_targets import audited_datasets
+
+    return audited_datasets(config)
+
+
+# The membership audit (target `audit`, not rule all: it trains its own runs).
+AUDIT = Family("audit", "Privacy audit", _draw_returned_figure, datasets=_audited_datasets, subcategory="{dataset}",
+               report_formats=("png",), in_all=False)
+FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT)}
 
 #: name -> Figure, in the order of the report.
 FIGURES: dict[str, Figure] = {}
@@ -186,8 +206,17 @@ def _group_sweep_point(config: Mapping) -> dict:
 _LM_SUMMARY = {"summary": layout.SUMMARY, "pretrained": layout.PRETRAINED_METRICS}
 _ME_RESULTS = {"results": layout.MEAN_ESTIMATION_RESULTS}
 
+def _contribution_release(config: Mapping) -> dict[str, str]:
+    # With privacy.contribution_stats.private the figure draws the DP histogram (contributions.json then holds
+    # only the users per split).
+    from ..privacy.targets import stats_private
+
+    return {"release": layout.CONTRIBUTIONS_DP} if stats_private(config) else {}
+
+
 _register(Figure("contributions", CONTRIBUTIONS, {"stats": layout.CONTRIBUTIONS},
-                 "contributions.plot_contributions", labels={"figure": "contributions", "dataset": "{dataset}"}))
+                 "contributions.plot_contributions", labels={"figure": "contributions", "dataset": "{dataset}"},
+                 config_inputs=_contribution_release))
 _register(Figure("noise_vs_group_size", ACCOUNTING, {"comparison": layout.ACCOUNTING_COMPARISON},
                  "accounting.plot_noise_vs_group_size"))
 _register(Figure("lm_loss_vs_epsilon", LM, _LM_SUMMARY, "lm.loss_vs_epsilon",
@@ -198,6 +227,8 @@ _register(Figure("lm_loss_vs_group_size", LM, _LM_SUMMARY, "lm.loss_vs_group_siz
                  labels={"figure": "test loss vs group size G"}, params=_group_sweep_point))
 _register(Figure("training_curves", LM, {"curves": layout.TRAIN_CURVES},
                  "lm.training_curves", labels={"figure": "training curves"}))
+_register(Figure("audit_epsilon", AUDIT, {"summary": layout.AUDIT_SUMMARY}, "audit.empirical_vs_claimed",
+                 labels={"figure": "empirical vs claimed epsilon", "dataset": "{dataset}"}))
 _register(Figure("mean_estimation_vs_epsilon", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_epsilon",
                  labels={"figure": "error vs epsilon"}))
 _register(Figure("mean_estimation_vs_diversity", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_diversity",
@@ -217,12 +248,14 @@ def figure_of_rule(rule: str) -> Figure:
 
 
 def figure_targets(config: Mapping, family: str | None = None) -> list[str]:
-    """PNG and PDF of every figure (of `family`, if given) the config asks for."""
+    """PNG and PDF of every figure (of `family`, if given; else of every family rule `all` draws) the config asks for."""
     if family is not None and family not in FAMILIES:
         raise ValueError(f"unknown figure family {family!r}; known: {sorted(FAMILIES)}")
     out = []
     for figure in FIGURES.values():
         if family is not None and figure.family.name != family:
+            continue
+        if family is None and not figure.family.in_all:
             continue
         datasets = figure.family.datasets(config) if figure.family.per_dataset else [None]
         out += [figure.path(fmt, d) for d in datasets for fmt in FORMATS]

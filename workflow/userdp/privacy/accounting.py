@@ -32,16 +32,35 @@ from functools import lru_cache
 from typing import Iterable
 
 import numpy as np
-from scipy import stats
+from scipy import fft, stats
 
 import dp_accounting
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
 
-from ..errors import PrivacyError
+from ..errors import AccountingLimitError, PrivacyError
 
 #: Discretization of the privacy loss at which epsilons are reported.
 FINE_DISCRETIZATION = 1e-4
+
+#: Memory bound of one accountant call: the most grid points one privacy-loss
+#: distribution (PLD) may hold, for one step and for the T-fold composition
+#: (the FFT length of dp-accounting's self-convolution). Sizes are estimated
+#: before anything is allocated and a larger PLD is refused with an
+#: `AccountingLimitError` (docs/privacy.md, "Memory bound"). 2^23 points keep
+#: one call below ~0.7 GB of peak resident memory (measured, see the docs).
+MAX_PLD_POINTS = 1 << 23
+#: Privacy losses per block when the MoG PLD is built: bounds its
+#: [points x mixture components] temporaries (results are unchanged).
+PLD_BLOCK = 1 << 16
+#: Step PLDs larger than PREFLIGHT_TRIGGER points get a preflight of their composition's size on the same
+#: step at most PREFLIGHT_POINTS points coarse (`_preflight_composition`); normal steps are far smaller.
+PREFLIGHT_TRIGGER = 1 << 20
+PREFLIGHT_POINTS = 1 << 16
+#: Tail mass dp-accounting truncates in compositions (its default; used by the size estimate).
+TAIL_MASS_TRUNCATION = 1e-15
 
 
 # ---------------------------------------------------------------- argument checks
@@ -149,6 +168,13 @@ class _FastMixtureGaussianPrivacyLoss(plm.MixtureGaussianPrivacyLoss):
     """
 
     def connect_dots_bounds(self) -> plm.ConnectDotsBounds:
+        """`_capped_connect_dots_bounds`, computed once per loss (the size estimate and the build both ask)."""
+        cached = self.__dict__.get("_userdp_bounds")
+        if cached is None:
+            cached = self.__dict__["_userdp_bounds"] = self._capped_connect_dots_bounds()
+        return cached
+
+    def _capped_connect_dots_bounds(self) -> plm.ConnectDotsBounds:
         """dp-accounting's bounds, with the upper epsilon capped where delta is negligible.
 
         Connect-the-dots puts the mass delta(eps_max) at +infinity, which is
@@ -169,10 +195,46 @@ class _FastMixtureGaussianPrivacyLoss(plm.MixtureGaussianPrivacyLoss):
             return bounds
         return plm.ConnectDotsBounds(epsilon_upper=float(grid[ok[0]]), epsilon_lower=lo)
 
+    def get_delta_for_epsilon(self, epsilon):
+        """dp-accounting's `get_delta_for_epsilon`, with the per-component CDFs evaluated in blocks.
+
+        The same operations in the same order, row by row, so the same numbers;
+        only the [points x components] temporaries are bounded by PLD_BLOCK
+        rows, and the final monotone fix-up (a Python loop over all points in
+        dp-accounting) is the equivalent reverse running maximum.
+        """
+        epsilons = np.atleast_1d(epsilon)
+        if epsilons.size <= PLD_BLOCK:
+            return super().get_delta_for_epsilon(epsilon)
+        if not np.all(epsilons[1:] >= epsilons[:-1]):
+            raise ValueError(f"Epsilon values must be non-decreasing: {epsilons}")
+        deltas = np.zeros_like(epsilons, dtype=float)
+        q = self._sampling_prob
+        if q == 1.0:
+            inverse_indices = np.full_like(epsilons, True, dtype=bool)
+        elif self.adjacency_type == plm.AdjacencyType.ADD:
+            inverse_indices = epsilons < -np.log1p(-q)
+        else:
+            inverse_indices = epsilons > np.log1p(-q)
+            other = np.logical_not(inverse_indices)
+            deltas[other] = -np.expm1(epsilons[other])
+        eps_in = epsilons[inverse_indices]
+        x_cutoffs = self.inverse_privacy_losses(eps_in)
+        out = np.empty(eps_in.shape, dtype=float)
+        for i in range(0, eps_in.size, PLD_BLOCK):
+            x, e = x_cutoffs[i:i + PLD_BLOCK], eps_in[i:i + PLD_BLOCK]
+            out[i:i + PLD_BLOCK] = self.mu_upper_cdf(x) - np.exp(e + self.mu_lower_log_cdf(x))
+        deltas[inverse_indices] = out
+        deltas = np.clip(deltas, 0, 1)
+        return np.maximum.accumulate(deltas[::-1])[::-1].copy()
+
     def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):  # noqa: D401
         losses = np.asarray(privacy_losses, dtype=float)
         if losses.size == 0:
             return []
+        if losses.size > PLD_BLOCK:  # same bracket for every block: each loss's bisection is unchanged
+            return np.concatenate([self._inverse_privacy_losses_with_range(losses[i:i + PLD_BLOCK], bounds, precision)
+                                   for i in range(0, losses.size, PLD_BLOCK)])
         lo = np.full(losses.shape, float(bounds[0]))
         hi = np.full(losses.shape, float(bounds[1]))
         sens = self.sensitivities[None, :]
@@ -210,29 +272,148 @@ def mixture_gaussian_pld(
     sensitivities: Iterable[float],
     probabilities: Iterable[float],
     discretization: float = FINE_DISCRETIZATION,
+    what: str | None = None,
 ) -> pld_lib.PrivacyLossDistribution:
-    """One MoG step as a PLD, pessimistic, connect-the-dots (as dp-accounting builds it)."""
+    """One MoG step as a PLD, pessimistic, connect-the-dots (as dp-accounting builds it).
+
+    Its size is estimated from the connect-the-dots bounds first
+    (`AccountingLimitError` above MAX_PLD_POINTS, before any grid is built).
+    """
     sens = list(sensitivities)
     probs = list(probabilities)
+    losses = _mog_losses(noise_multiplier, sens, probs)
+    label = what or f"a mixture-of-Gaussians step (sigma = {noise_multiplier:.4g}, sensitivities up to {max(sens):g})"
+    for loss in losses:
+        check_pld_size(_grid_points(loss, discretization), label, discretization)
+    remove, add = (pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001 (pinned dp-accounting 0.6.0)
+        loss, pessimistic_estimate=True, value_discretization_interval=discretization, use_connect_dots=True)
+        for loss in losses)
+    return pld_lib.PrivacyLossDistribution(remove, add)
 
-    def one(adjacency: plm.AdjacencyType):
-        loss = _FastMixtureGaussianPrivacyLoss(
-            noise_multiplier, sens, probs, pessimistic_estimate=True, adjacency_type=adjacency
-        )
-        return pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001 (pinned dp-accounting 0.6.0)
-            loss, pessimistic_estimate=True, value_discretization_interval=discretization, use_connect_dots=True
-        )
 
-    return pld_lib.PrivacyLossDistribution(one(plm.AdjacencyType.REMOVE), one(plm.AdjacencyType.ADD))
+def _mog_losses(noise_multiplier: float, sens: list, probs: list) -> list:
+    """The (remove, add) privacy losses of one MoG step."""
+    return [_FastMixtureGaussianPrivacyLoss(noise_multiplier, sens, probs, pessimistic_estimate=True,
+                                            adjacency_type=adjacency)
+            for adjacency in (plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD)]
+
+
+# ---------------------------------------------------------------- memory bound
+
+
+def _grid_points(loss: plm.AdditiveNoisePrivacyLoss, discretization: float) -> int:
+    """Grid points of the connect-the-dots PLD of `loss` (as dp-accounting lays them out), 0 if unknown.
+
+    Unknown bounds (None) are left to dp-accounting, which refuses them itself.
+    """
+    b = loss.connect_dots_bounds()
+    if b.epsilon_upper is None or b.epsilon_lower is None:
+        return 0
+    span = math.ceil(b.epsilon_upper / discretization) - math.floor(b.epsilon_lower / discretization) + 1
+    return int(span) if math.isfinite(span) else MAX_PLD_POINTS + 1
+
+
+def _pmfs(pld: pld_lib.PrivacyLossDistribution) -> list:
+    return [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
+
+
+def pld_points(pld: pld_lib.PrivacyLossDistribution) -> int:
+    """Grid points of the larger of a PLD's two PMFs."""
+    return max(int(pmf.size) for pmf in _pmfs(pld))
+
+
+def check_pld_size(points: int, what: str, discretization: float) -> None:
+    """AccountingLimitError when a PLD of `points` grid points would exceed MAX_PLD_POINTS.
+
+    The message names the event, the size, the bound and what to change.
+    """
+    if points <= MAX_PLD_POINTS:
+        return
+    raise AccountingLimitError(
+        f"the privacy-loss distribution of {what} at discretization {discretization:g} would need "
+        f"{points:,} grid points (about {points * BYTES_PER_POINT / 2**30:.1f} GiB), above the accountant's memory "
+        f"bound of {MAX_PLD_POINTS:,} points (userdp.privacy.accounting.MAX_PLD_POINTS; docs/privacy.md, "
+        "'Memory bound'). It is refused before anything is allocated. Such sizes come from a privacy loss in the "
+        "hundreds (a noise multiplier far below the sensitivity, or a near-vacuous delta) or from a very large "
+        "step count; they mean an epsilon far from any useful target. Use a larger noise multiplier, fewer steps, "
+        "or a coarser discretization (command line: --discretization; pessimistic, still a valid upper bound)."
+    )
+
+
+#: Peak resident bytes per grid point of the largest PLD operation (measured; docs/privacy.md, "Memory bound").
+BYTES_PER_POINT = 70
 
 
 # ---------------------------------------------------------------- composed PLDs
 
 
-def _compose(step_pld: pld_lib.PrivacyLossDistribution, steps: int, discretization: float):
+def _self_convolve_length(probs, steps: int) -> tuple[int, int, int]:
+    """dp-accounting's truncation bounds (lo, hi) of a T-fold self-convolution and the FFT length it allocates."""
+    lo, hi = pld_common.compute_self_convolve_bounds(probs, steps, TAIL_MASS_TRUNCATION)
+    return lo, hi, int(fft.next_fast_len(max(hi - lo + 1, len(probs))))
+
+
+def _preflight_composition(sigma: float, sens: list, probs: list, steps: int, discretization: float,
+                           what: str) -> None:
+    """Refuse a T-fold MoG composition that cannot fit, before the (slow) fine step PLD is built.
+
+    Building a step PLD of millions of points costs minutes for a mixture with
+    many components. When the step has more than PREFLIGHT_TRIGGER points, the
+    same step is built at a coarser discretization d_c (at most
+    PREFLIGHT_POINTS points, cheap) and its composition length is scaled by
+    d_c / d: dp-accounting's Chernoff orders are fixed fractions of the
+    support, so the truncation bounds are a fixed span of privacy loss and the
+    length scales with 1 / d (the exact check follows after the build).
+    """
+    losses = _mog_losses(sigma, sens, probs)
+    points = max(_grid_points(loss, discretization) for loss in losses)
+    check_pld_size(points, what, discretization)
+    if points <= PREFLIGHT_TRIGGER or steps <= 1:
+        return
+    coarse_d = discretization * math.ceil(points / PREFLIGHT_POINTS)
+    coarse = mixture_gaussian_pld(sigma, sens, probs, coarse_d, what)
+    length = max(_self_convolve_length(pmf._probs, steps)[2] for pmf in _pmfs(coarse))  # noqa: SLF001
+    check_pld_size(int(length * coarse_d / discretization), f"{what}, composed {steps} times (estimated)",
+                   discretization)
+
+
+def _self_compose_pmf(pmf, steps: int, what: str, discretization: float):
+    """`DensePLDPmf.self_compose(steps)` of dp-accounting, size-checked between its bounds and its FFT.
+
+    The same operations (`common.self_convolve` and `DensePLDPmf.self_compose`
+    of dp-accounting 0.6.0, inlined), so the same numbers; the FFT length
+    comes from dp-accounting's own Chernoff truncation bounds and is checked
+    against MAX_PLD_POINTS before the FFT allocates it.
+    """
+    if not isinstance(pmf, pld_pmf.DensePLDPmf):
+        return pmf.self_compose(steps, TAIL_MASS_TRUNCATION)  # sparse PMFs are small dictionaries
+    probs = pmf._probs  # noqa: SLF001
+    lo, hi, fast_len = _self_convolve_length(probs, steps)
+    output_len = hi - lo + 1
+    check_pld_size(int(fast_len), f"{what}, composed {steps} times", discretization)
+    convolution = np.real(fft.ifft(fft.fft(probs, fast_len) ** steps))
+    out = np.roll(convolution, -lo)[:output_len]
+    inf_prob = TAIL_MASS_TRUNCATION - math.expm1(steps * math.log1p(-pmf._infinity_mass))  # noqa: SLF001
+    return pld_pmf.DensePLDPmf(pmf._discretization, pmf._lower_loss * steps + lo, np.array(out), inf_prob,  # noqa: SLF001
+                               pmf._pessimistic_estimate)  # noqa: SLF001
+
+
+def _compose(step_pld: pld_lib.PrivacyLossDistribution, steps: int, discretization: float, what: str):
     # The same operations as PLDAccountant.compose(SelfComposedDpEvent(event, T)).
+    steps = int(steps)
+    if steps <= 0:
+        raise ValueError(f"num_times should be >= 1, num_times={steps}")
+    pmfs = [_self_compose_pmf(pmf, steps, what, discretization) for pmf in _pmfs(step_pld)]
     identity = pld_lib.identity(value_discretization_interval=discretization)
-    return identity.compose(step_pld.self_compose(int(steps)))
+    return identity.compose(pld_lib.PrivacyLossDistribution(*pmfs))
+
+
+def _describe_step(step: tuple) -> str:
+    kind, sigma = step[0], step[1]
+    if kind == "mog":
+        return (f"a mixture-of-Gaussians step (sigma = {sigma:.4g}, sensitivities up to {max(step[2]):g}, "
+                f"ELS with G = {len(step[2]) - 1})")
+    return f"a Poisson-subsampled Gaussian step (sigma = {sigma:.4g}, sampling rate {step[2]:.4g})"
 
 
 @lru_cache(maxsize=256)
@@ -244,20 +425,24 @@ def _composed_step_pld(step: tuple, steps: int, discretization: float):
     which is the MoG {0: 1 - q, 1: q} (the fast path, with the capped support,
     gives the same epsilons as dp-accounting's from_gaussian_mechanism to
     ~1e-9, tested, and is much faster at small sigma); at q = 1 the Gaussian.
+    Both the step PLD and its T-fold composition are size-checked before they
+    are built (`check_pld_size`).
     """
     kind, sigma = step[0], step[1]
-    if kind == "mog":
-        sens, probs = prune_mixture(step[2], step[3])
-        pld = mixture_gaussian_pld(sigma, sens, probs, discretization)
-    elif step[2] < 1:
-        q = step[2]
-        pld = mixture_gaussian_pld(sigma, [0.0, 1.0], [1.0 - q, q], discretization)
+    what = _describe_step(step)
+    if kind == "mog" or step[2] < 1:
+        sens, probs = prune_mixture(step[2], step[3]) if kind == "mog" else ([0.0, 1.0], [1.0 - step[2], step[2]])
+        _preflight_composition(sigma, sens, probs, int(steps), discretization, what)
+        pld = mixture_gaussian_pld(sigma, sens, probs, discretization, what)
     else:
+        loss = plm.GaussianPrivacyLoss(sigma, sensitivity=1, pessimistic_estimate=True, log_mass_truncation_bound=-50,
+                                       sampling_prob=1.0, adjacency_type=plm.AdjacencyType.REMOVE)
+        check_pld_size(_grid_points(loss, discretization), what, discretization)
         pld = pld_lib.from_gaussian_mechanism(
             standard_deviation=sigma, value_discretization_interval=discretization, sampling_prob=1.0,
             neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
         )
-    return _compose(pld, steps, discretization)
+    return _compose(pld, steps, discretization, what)
 
 
 def _step_key(event: dp_accounting.DpEvent) -> tuple | None:
@@ -314,9 +499,14 @@ def epsilon(event: dp_accounting.DpEvent, delta: float, discretization: float = 
     extra = tuple(fixed)
     if not steps:
         return fixed_events_epsilon(extra, delta, discretization)
+    if extra:
+        _fixed_pld(extra, float(discretization))  # cached; refuses an oversized release before the steps are built
     pld = None
     for key, n in steps.items():
         part = _composed_step_pld(key, int(n), float(discretization))
+        if pld is not None:
+            check_pld_size(pld_points(pld) + pld_points(part), "the composition of different step events",
+                           discretization)
         pld = part if pld is None else pld.compose(part)
     return _epsilon_of(pld, extra, delta, float(discretization))
 
@@ -344,6 +534,10 @@ def _fixed_pld(extra_events: tuple, discretization: float) -> pld_lib.PrivacyLos
     pessimistic, connect-the-dots, add/remove adjacency).
     """
     _check_fixed_events(extra_events)
+    # A Laplace PLD spans privacy losses [-1/b, 1/b] (b = noise multiplier): 2 / (b d) points each.
+    points = sum(_grid_points(plm.LaplacePrivacyLoss(float(e.noise_multiplier)), discretization) for e in extra_events)
+    check_pld_size(points, f"the fixed Laplace release(s) {[float(e.noise_multiplier) for e in extra_events]} "
+                   "(noise multipliers; epsilon = 1 / noise multiplier)", discretization)
     pld = pld_lib.identity(value_discretization_interval=discretization)
     for e in extra_events:
         pld = pld.compose(pld_lib.from_laplace_mechanism(
@@ -362,7 +556,10 @@ def fixed_events_epsilon(extra_events, delta: float, discretization: float = FIN
 def _epsilon_of(pld, extra_events: tuple, delta: float, discretization: float) -> float:
     """epsilon(delta) of the training PLD, composed with the fixed events when there are any."""
     if extra_events:
-        pld = pld.compose(_fixed_pld(extra_events, discretization))
+        fixed = _fixed_pld(extra_events, discretization)
+        check_pld_size(pld_points(pld) + pld_points(fixed), "the training steps composed with the fixed releases",
+                       discretization)
+        pld = pld.compose(fixed)
     return float(pld.get_epsilon_for_delta(delta))
 
 

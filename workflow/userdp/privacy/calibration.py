@@ -40,7 +40,7 @@ from scipy import optimize, stats
 
 import dp_accounting
 
-from ..errors import PrivacyError
+from ..errors import AccountingLimitError, PrivacyError
 from . import accounting
 from .accounting import FINE_DISCRETIZATION, check_arguments
 from .mechanism import Mechanism
@@ -95,7 +95,11 @@ def initial_guess(mechanism: Mechanism, epsilon: float, delta: float) -> float:
     mech, epsilon, delta = mechanism.calibration_target(epsilon, delta)
     try:
         # mu* with delta_mu(epsilon) = delta (delta increases with mu).
-        log_mu = optimize.brentq(lambda lm: math.log(max(_gdp_delta(math.exp(lm), epsilon), 1e-300)) - math.log(delta), -12, 6)
+        gap = lambda lm: math.log(max(_gdp_delta(math.exp(lm), epsilon), 1e-300)) - math.log(delta)  # noqa: E731
+        try:
+            log_mu = optimize.brentq(gap, -12, 6)
+        except ValueError:  # a tiny target (epsilon ~ 1e-6): mu below e^-12; search further down
+            log_mu = optimize.brentq(gap, -40, 6)
         target_log_chi2 = 2 * log_mu - math.log(mech.steps)
         f = lambda ls: mech.log_chi2_step(math.exp(ls)) - target_log_chi2  # noqa: E731
         lo, hi = math.log(1e-2), math.log(1e4)
@@ -129,9 +133,20 @@ class _Level:
         self.lo: tuple[float, float] | None = None  # infeasible
         self.calls = 0
         self._last: tuple[float, float] | None = None
+        #: Probes the accountant refused (memory bound): read as infeasible, never as certified.
+        self.refused: dict[float, AccountingLimitError] = {}
 
     def probe(self, s: float) -> float:
-        e = self.f(s)
+        try:
+            e = self.f(s)
+        except AccountingLimitError as exc:
+            # A PLD too large to build means a privacy loss in the hundreds: far
+            # from a feasible sigma in every case met so far. Reading it as
+            # infeasible sends the search up; `calibrate` refuses to report a
+            # bracket whose lower end is such a probe (it would not be certified).
+            log.debug("level %s: sigma=%.6g refused by the accountant's memory bound", self.name, s)
+            self.refused[s] = exc
+            e = math.inf
         self.calls += 1
         log.debug("level %s: sigma=%.6g eps=%.6g", self.name, s, e)
         if self._last is not None and math.isfinite(e) and math.isfinite(self._last[1]) and e > 0 and self._last[1] > 0:
@@ -152,8 +167,12 @@ class _Level:
         return self.hi is not None and self.lo is not None and self.hi[0] <= self.lo[0] * (1 + rtol)
 
     def _one_sided(self, s: float, e: float) -> float:
-        if not math.isfinite(e) or e <= 0:
-            return 4 * s
+        if not math.isfinite(e):
+            return 4 * s  # infeasible, no usable value: go up
+        if e <= 0:
+            # Feasible with epsilon 0 (delta covers the whole privacy curve, near-vacuous settings): the
+            # root is below; going up here would probe above the feasible end for ever.
+            return s / 4
         return s * (self.target / e) ** (1 / self.slope)
 
     def estimate(self) -> float:
@@ -212,6 +231,31 @@ class _Level:
 
 
 # ---------------------------------------------------------------- public entry point
+
+
+def check_not_vacuous(mechanism: Mechanism, delta: float, cell: str | None = None) -> None:
+    """PrivacyError when delta >= the probability that a user's data is used at all (no noise is needed).
+
+    Without noise the outputs on neighbouring datasets differ only when the
+    user's data is sampled, which happens with probability
+    p = 1 - (1 - q)^(T G) (`Mechanism.participation_probability`; ULS: G = 1),
+    so (0, delta)-DP holds with sigma = 0 for every delta >= p: the guarantee
+    is vacuous, there is no smallest noise to find, and a search would only
+    chase sigma towards 0 (unbounded PLDs).
+    """
+    p = mechanism.participation_probability()
+    if p is None or delta < p:
+        return
+    where = f" for {cell}" if cell else ""
+    units = "its examples" if mechanism.accounting_group_size > 1 else "the user"
+    raise PrivacyError(
+        f"delta = {delta:.3g} is at least the probability {p:.3g} that one user's data is used at all{where} "
+        f"({mechanism.describe()}: 1 - (1 - q)^(T x {mechanism.accounting_group_size}), {units} sampled in some "
+        f"step). Every noise multiplier, even 0, then gives (0, delta)-DP: the guarantee is vacuous and there is "
+        "no noise to calibrate. Use a delta far below that probability (the default 1/N^1.1 with N train users, "
+        "privacy.delta / privacy.delta_exponent; command line: --delta), or sample more: a larger sampling rate "
+        "or more steps (in the pipeline: a larger compute budget or a smaller G, i.e. more users per step)."
+    )
 
 
 def _epsilon_fn(mechanism: Mechanism, delta: float, d: float, extra: tuple = ()) -> Callable[[float], float]:
@@ -282,6 +326,7 @@ def calibrate(
             **base, noise_multiplier=0.0, epsilon_achieved=(fixed_eps if T == 0 else math.inf), noise_lower=0.0,
             seconds=time.perf_counter() - start,
         )
+    check_not_vacuous(mechanism, delta, cell)
     if extra and fixed_eps >= epsilon:
         raise PrivacyError(
             f"the fixed releases composed with training{where} already spend epsilon = {fixed_eps:.4g} "
@@ -314,7 +359,17 @@ def calibrate(
         counts[f"d={d:g}"] = lvl.calls
         if lvl.hi is None:
             # Infeasible up to the maximum at this level; confirm at the fine level.
-            fine = _epsilon_fn(mechanism, delta, discretization, extra)(max_noise_multiplier)
+            try:
+                fine = _epsilon_fn(mechanism, delta, discretization, extra)(max_noise_multiplier)
+            except AccountingLimitError as exc:
+                raise AccountingLimitError(
+                    f"calibration{where} ({mechanism.describe()}) found no feasible noise multiplier up to "
+                    f"privacy.max_noise_multiplier = {max_noise_multiplier:g}, and the accountant cannot evaluate "
+                    f"that maximum within its memory bound: {exc} At this step count and sampling rate the target "
+                    f"epsilon = {epsilon:g} at delta = {delta:.3g} is far out of reach: use fewer steps or a smaller "
+                    "sampling rate (in the pipeline: a smaller compute budget, or more steps for it), or a larger "
+                    "epsilon."
+                ) from exc
             if fine > epsilon:
                 fixed_note = (f" That epsilon includes fixed releases worth {fixed_eps:.4g} on their own "
                               "(the DP contribution statistics)." if extra else "")
@@ -335,6 +390,17 @@ def calibrate(
     assert prev is not None and prev.hi is not None
     sigma, eps_achieved = prev.hi
     lower = prev.lo[0] if prev.lo is not None else 0.0
+    if prev.lo is not None and prev.lo[0] in prev.refused:
+        # The bracket's lower end was never evaluated: sigma may not be the smallest. Refuse rather than
+        # report an uncertified (too large) noise multiplier.
+        raise AccountingLimitError(
+            f"calibration{where} ({mechanism.describe()}, epsilon = {epsilon:g}, delta = {delta:.3g}) cannot "
+            f"certify its answer: sigma = {sigma:.6g} meets the target, but the accountant refused to evaluate "
+            f"sigma = {lower:.6g} just below it: {prev.refused[prev.lo[0]]} The smallest noise multiplier lies "
+            "where the privacy loss is too large to account for within the memory bound, which happens when "
+            "delta is close to the probability that a user is sampled at all (a near-vacuous guarantee): use a "
+            "smaller delta, or a larger sampling rate or more steps (in the pipeline: more users per step)."
+        )
     result = CalibrationResult(
         **base, noise_multiplier=float(sigma), epsilon_achieved=float(eps_achieved), noise_lower=float(lower),
         evaluations=counts, seconds=time.perf_counter() - start,

@@ -46,6 +46,7 @@ import numpy as np
 import dp_accounting
 
 from ..errors import ConfigError, DataError, PrivacyError
+from . import seed_secrecy
 from .contributions import Contributions
 
 MECHANISM = "laplace_histogram_log2"
@@ -152,6 +153,7 @@ def release_for_dataset(counts: Sequence[int] | np.ndarray, settings_cfg: dict, 
     record = release(counts, st.epsilon, st.max_log2, seed, dataset=dataset, source=source)
     if secret:
         record["seed"] = "secret"
+    record.update(seed_secrecy.seeds_fields(secret))  # seeds_mode, guarantee_caveat (null when secret)
     return record
 
 
@@ -163,6 +165,7 @@ class NoisyHistogram(Contributions):
     weights: np.ndarray      # [K] float, max(0, round(noisy count))
     epsilon: float
     file: str | None = None
+    seeds_mode: str | None = None  # "secret" / "derived" (None: a release written before it was recorded)
 
     @classmethod
     def from_release(cls, record: dict, file: str | None = None) -> "NoisyHistogram":
@@ -178,7 +181,7 @@ class NoisyHistogram(Contributions):
         if mech != MECHANISM or edges.shape != noisy.shape or edges.size == 0 or not (eps > 0):
             raise DataError(f"{where}: unexpected mechanism {mech!r} or malformed bins; rerun rule contribution_stats_dp.")
         # Post-processing: true bin counts are whole numbers >= 0.
-        return cls(edges, np.maximum(np.round(noisy), 0.0), eps, file)
+        return cls(edges, np.maximum(np.round(noisy), 0.0), eps, file, record.get("seeds_mode"))
 
     @property
     def dp_events(self) -> tuple[dp_accounting.DpEvent, ...]:
@@ -196,6 +199,8 @@ class NoisyHistogram(Contributions):
             "epsilon": self.epsilon,
             "dp_event": {"type": "LaplaceDpEvent", "noise_multiplier": 1.0 / self.epsilon},
             "file": self.file,
+            # where the histogram's noise came from; derived: the guarantee does not hold against the config's holder
+            **(seed_secrecy.seeds_fields(self.seeds_mode == seed_secrecy.SECRET) if self.seeds_mode else {}),
         }
 
 

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
+
 from ..errors import ConfigError, PrivacyError
-from .calibration import calibrate
-from .contributions import Contributions
-from .mechanism import ULS
+from .selection import Selection
+
+if TYPE_CHECKING:  # rule params read `rule_for` at DAG time: the accountants are imported by the rule that uses them
+    from .contributions import Contributions
 
 
 #: The rule of each method when `privacy.group_size.<method>` is not given (the schema's defaults).
@@ -61,14 +64,26 @@ def snr_group_size(
     tolerance: float = 1e-3,
     max_noise_multiplier: float = 500.0,
     cell: str | None = None,
+    selection: "Selection | None" = None,
+    min_cohort: float = 1.0,
 ) -> SnrChoice:
     """ULS rule: the G in the candidates with the largest predicted SNR.
 
-    Candidates whose cohort sampling rate would exceed 1, or whose epsilon no
-    noise level reaches, are skipped (and listed with their reason).
+    Candidates whose cohort sampling rate would exceed 1, whose expected
+    cohort M(G) is below `min_cohort` users per step
+    (`privacy.group_size.snr_min_cohort`; checked before any calibration),
+    or whose calibration is refused (no noise level reaches epsilon, a
+    vacuous delta, or the accountant's memory bound) are skipped and listed
+    with their reason.
     n_users: N, a public dataset size. The fixed releases of the statistics
-    (`contributions.dp_events`) are composed into each candidate's sigma.
+    (`contributions.dp_events`) are composed into each candidate's sigma,
+    and sigma is each run's under `selection` (the cell's learning-rate runs
+    released as one model; default one run).
     """
+    selection = selection or Selection("composed", 1)
+    from .calibration import calibrate
+    from .mechanism import ULS
+
     table: list[dict] = []
     for G in contributions.group_size_candidates(max_quantile):
         mean_contribution = contributions.mean_bounded(G)
@@ -79,6 +94,14 @@ def snr_group_size(
             row.update(noise_multiplier=None, snr=None, skipped="sampling rate > 1")
             table.append(row)
             continue
+        if M < min_cohort:
+            # Noisy statistics can put weight on huge counts (large G, tiny mbar_G-driven cohorts): such a
+            # candidate trains on almost no users per step, and its calibration nears a vacuous delta.
+            row.update(noise_multiplier=None, snr=None,
+                       skipped=f"expected cohort {M:.3g} users per step < privacy.group_size.snr_min_cohort = "
+                               f"{min_cohort:g}")
+            table.append(row)
+            continue
         if math.isinf(epsilon):
             sigma = 0.0
         else:
@@ -87,7 +110,7 @@ def snr_group_size(
                 # discretization 1e-4: calibrate at 1e-3 (pessimistic, ~10x
                 # cheaper). The chosen G is calibrated again at full precision.
                 sigma = calibrate(
-                    ULS(q_u, int(steps)), epsilon, delta, tolerance=max(tolerance, 3e-3),
+                    selection.calibration_mechanism(ULS(q_u, int(steps))), epsilon, delta, tolerance=max(tolerance, 3e-3),
                     max_noise_multiplier=max_noise_multiplier, discretization=1e-3,
                     extra_events=contributions.dp_events,
                 ).noise_multiplier
@@ -128,6 +151,7 @@ def choose_group_size(
     delta: float,
     explicit: int | None = None,
     cell: str | None = None,
+    selection: "Selection | None" = None,
 ) -> tuple[int, str, list[dict] | None]:
     """(G, rule name, SNR candidate table or None) for one cell, by its rule in `privacy.group_size`."""
     if explicit is not None:
@@ -151,9 +175,11 @@ def choose_group_size(
         contributions, n_users, compute_budget, steps, epsilon, delta,
         noise_ratio=float(gs.get("snr_noise_ratio", 1.0)),
         max_quantile=float(gs.get("snr_max_quantile", 0.99)),
+        min_cohort=float(gs.get("snr_min_cohort", 1.0)),
         tolerance=float(privacy.get("calibration_tolerance", 1e-3)),
         max_noise_multiplier=float(privacy.get("max_noise_multiplier", 500)),
         cell=cell,
+        selection=selection,
     )
     rule = "snr (predicted signal-to-noise, docs/privacy.md)"
     return choice.group_size, rule + (" on the DP histogram" if private_stats else ""), choice.table

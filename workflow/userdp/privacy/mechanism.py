@@ -127,6 +127,20 @@ class Mechanism:
         """log of the chi-square divergence of one step (closed form; calibration's starting point)."""
         raise NotImplementedError
 
+    def participation_probability(self) -> float | None:
+        """Probability that one user's data is used at all in the T steps: 1 - (1 - q)^(T G_acc).
+
+        A user's G_acc accounted units (ELS: G examples, ULS: the user) are each
+        Poisson-sampled with probability q in each of T steps. The outputs on
+        neighbouring datasets differ only when one is used, so without any noise
+        the mechanism is (0, this probability)-DP: a delta at or above it makes
+        the guarantee vacuous (calibration refuses it). None when not known in
+        closed form (then no such check is made).
+        """
+        n = int(self.steps) * int(self.accounting_group_size)
+        q = float(self.sampling_rate)
+        return 1.0 if q >= 1 else float(-math.expm1(n * math.log1p(-q)))
+
     def calibration_target(self, epsilon: float, delta: float) -> tuple["Mechanism", float, float]:
         """(mechanism, epsilon, delta) whose mu-GDP approximation gives calibration's first guess."""
         return self, epsilon, delta

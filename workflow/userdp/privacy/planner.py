@@ -10,10 +10,15 @@ Given K and the step count T configured for the budget (docs/method.md section 5
 Then sigma is calibrated to (epsilon, delta). Expected compute, T * q * N_G
 (ELS) or T * q_u * N * mbar_G (ULS), equals K by construction; the plan
 records it so training can report realised / expected.
+
+With DP contribution statistics N_G and mbar_G are the DP histogram's
+estimates (`planning_sizes`), so the plan holds no exact statistic of the
+train users' counts; expected compute is K on those estimates.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -26,6 +31,7 @@ from .contribution_stats import NoisyHistogram
 from .contributions import Contributions, ExactCounts
 from .group_size import choose_group_size
 from .mechanism import Mechanism, Sampling
+from .selection import Selection
 
 
 def default_delta(n_train_users: int, exponent: float = 1.1) -> float:
@@ -71,11 +77,16 @@ def _contributions(counts: np.ndarray, privacy: dict, stats: NoisyHistogram | No
 
 
 def _calibrate(mech: Mechanism, epsilon: float, delta: float, privacy: dict, extra: tuple, cell: str,
-               stats: NoisyHistogram | None) -> tuple[float, float, dict]:
-    """(sigma, epsilon achieved, the plan's calibration record) of a private cell."""
+               stats: NoisyHistogram | None, selection: Selection) -> tuple[float, float, dict]:
+    """(sigma, epsilon achieved, the plan's calibration record) of a private cell.
+
+    Each run's sigma is calibrated so that `selection` (the cell's
+    learning-rate runs as one released model) meets the target: the k runs
+    composed by default, one run with `privacy.selection.accounting: per_run`.
+    """
     tolerance = float(privacy.get("calibration_tolerance", 1e-3))
     try:
-        cal = calibrate(mech, epsilon, delta, tolerance=tolerance,
+        cal = calibrate(selection.calibration_mechanism(mech), epsilon, delta, tolerance=tolerance,
                         max_noise_multiplier=float(privacy.get("max_noise_multiplier", 500)), cell=cell,
                         extra_events=extra)
     except PrivacyError as exc:
@@ -102,6 +113,7 @@ def plan_cell(
     group_size: int | None = None,
     reference_epsilon: float | None = None,
     stats: NoisyHistogram | None = None,
+    selection: Selection | None = None,
 ) -> dict[str, Any]:
     """The plan of one grid cell (the plan JSON of docs/artifacts.md, "Plans").
 
@@ -114,8 +126,14 @@ def plan_cell(
     `privacy.contribution_stats.private`): the G rules read it instead of the
     counts, and its Laplace event is composed into the calibration, so
     `epsilon` is the total of the release and the T steps. N_G and mbar_G of
-    the chosen G stay exact (dataset sizes after bounding are public).
+    the chosen G are then the release's estimates (`planning_sizes`): only N,
+    the number of train users, is read from the counts.
+    selection: how the cell's learning-rate runs become the released model
+    (`privacy.selection`, built by `Selection.from_config`; default: one run).
+    By default `epsilon` is the released model's guarantee, so each run is
+    calibrated for the selection, not alone; `epsilon_per_run` records one run's.
     """
+    selection = selection or Selection("composed", 1)
     counts = np.asarray(counts, dtype=np.int64)
     cell = cell_label(dataset, method, epsilon, compute_budget, group_size)
     if method not in mechanism.METHODS:
@@ -129,21 +147,24 @@ def plan_cell(
     eps_for_g = epsilon if private or reference_epsilon is None else float(reference_epsilon)
     contributions = _contributions(counts, privacy, stats, cell, (epsilon, eps_for_g))
     G, rule, table = choose_group_size(method, contributions, int(counts.size), privacy, compute_budget=compute_budget,
-                                       steps=steps, epsilon=eps_for_g, delta=delta, explicit=group_size, cell=cell)
-    exact = ExactCounts(counts)  # N_G and mbar_G of the chosen G are exact (public dataset sizes)
-    mech, sampling = mechanism.get(method).for_budget(compute_budget, steps, G, exact.n_users, exact.n_bounded(G),
-                                                      exact.mean_bounded(G), where=cell)
+                                       steps=steps, epsilon=eps_for_g, delta=delta, explicit=group_size, cell=cell,
+                                       selection=selection)
+    # N_G and mbar_G: exact from the counts, or estimated from the DP release (never the exact counts).
+    sizes = planning_sizes(contributions, int(counts.size), G)
+    mech, sampling = mechanism.get(method).for_budget(compute_budget, steps, G, sizes.n_users, sizes.n_bounded,
+                                                      sizes.mean_bounded, where=cell)
     extra = contributions.dp_events
     if private:
-        sigma, eps_ach, calibration = _calibrate(mech, epsilon, delta, privacy, extra, cell, stats)
+        sigma, eps_ach, calibration = _calibrate(mech, epsilon, delta, privacy, extra, cell, stats, selection)
     else:
         sigma, eps_ach, calibration = 0.0, math.inf, None
     plan = _plan_record(dataset, mech, sampling, epsilon, delta, delta_rule, rule, sigma, eps_ach, compute_budget,
-                        privacy, exact, calibration, extra)
+                        privacy, sizes, calibration, extra)
+    plan.update(_selection_fields(selection, mech, sigma, eps_ach, delta, extra))
     if stats is not None:
         plan["contribution_statistics"] = (
-            "private: Laplace histogram composed into epsilon; dataset sizes N, N_G, mbar_G treated as public "
-            "(docs/privacy.md)"
+            "private: Laplace histogram composed into epsilon; G, N_G and mbar_G come from the histogram, only "
+            "the number of train users N is treated as public (docs/privacy.md)"
         )
         plan["contribution_stats"] = stats.record()
         if private:  # how the total splits (for reporting): the training steps alone at the plan's sigma
@@ -155,8 +176,22 @@ def plan_cell(
     return plan
 
 
+def _selection_fields(selection: Selection, mech: Mechanism, sigma: float, eps_ach: float, delta: float,
+                      extra: tuple) -> dict[str, Any]:
+    """What the plan's epsilon means, and one run's own epsilon next to the selection's."""
+    if sigma > 0 and selection.calibration_mechanism(mech) != mech:
+        per_run = mech.epsilon(sigma, delta, extra_events=extra)
+    else:
+        per_run = eps_ach  # one run is the whole selection (or the target is per run)
+    return {
+        "selection": selection.record(),
+        "epsilon_target_of": "released model" if selection.target_is_released else "each learning-rate run",
+        "epsilon_per_run": per_run,
+    }
+
+
 def _plan_record(dataset: str, mech: Mechanism, sampling: Sampling, epsilon: float, delta: float, delta_rule: str,
-                 rule: str, sigma: float, eps_ach: float, compute_budget: int, privacy: dict, exact: ExactCounts,
+                 rule: str, sigma: float, eps_ach: float, compute_budget: int, privacy: dict, sizes: "PlanningSizes",
                  calibration: dict | None, extra: tuple) -> dict[str, Any]:
     """The plan's fields (docs/artifacts.md), including the calibrated event of the T steps."""
     private = not math.isinf(epsilon)
@@ -181,15 +216,53 @@ def _plan_record(dataset: str, mech: Mechanism, sampling: Sampling, epsilon: flo
         "accountant": accountant,
         "clip_norm": float(privacy.get("clip_norm", 1.0)) if private else None,
         "clipping": privacy.get("clipping", "flat") if private else None,
-        "n_train_users": exact.n_users,
-        "n_train_examples": int(exact.counts.sum()),
-        "n_train_examples_bounded": exact.n_bounded(mech.group_size),
-        "mean_bounded_contribution": exact.mean_bounded(mech.group_size),
+        "n_train_users": sizes.n_users,
+        "n_train_examples": sizes.n_examples,
+        "n_train_examples_bounded": sizes.n_bounded,
+        "mean_bounded_contribution": sizes.mean_bounded,
+        "planning_sizes": sizes.source,
         "calibration": calibration,
         "contribution_statistics": "treated as public (docs/privacy.md)",
         "library_versions": accounting.library_versions(),
         "dp_event": mechanism.event_to_json(mech.dp_event(sigma)),
     }
+
+
+#: The plan's `planning_sizes` when N_G and mbar_G come from the DP contribution statistics.
+PRIVATE_SIZES = "DP histogram"
+
+
+def sizes_from_release(plan: dict) -> bool:
+    """Whether a plan's N_G and mbar_G are the DP release's estimates (training then divides by the plan's
+    expected batch and writes no exact pool size)."""
+    return plan.get("planning_sizes") == PRIVATE_SIZES
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanningSizes:
+    """The sizes a plan derives its sampling rate from (docs/privacy.md, "What is treated as public")."""
+
+    n_users: int               # N, the number of train users (public)
+    n_examples: int | None     # sum_u n_u; None with DP statistics (a statistic of the counts, never written)
+    n_bounded: int | float     # N_G = sum_u min(n_u, G): exact, or N * mbar_G from the DP release
+    mean_bounded: float        # mbar_G
+    source: str                # "exact counts" or "DP histogram" (the plan's `planning_sizes`)
+
+
+def planning_sizes(contributions: Contributions, n_users: int, group_size: int) -> PlanningSizes:
+    """N, N_G and mbar_G of G from what the G rules read.
+
+    Exact counts: the exact sizes (treated as public by default). The DP
+    histogram: mbar_G is the histogram's estimate (`mean_bounded`, every user
+    of bin k at 2^k, the value the SNR rule used for the same G) and
+    N_G = N * mbar_G, so nothing but N and the release enters the plan.
+    """
+    if isinstance(contributions, ExactCounts):
+        return PlanningSizes(contributions.n_users, int(contributions.counts.sum()),
+                             contributions.n_bounded(group_size), contributions.mean_bounded(group_size),
+                             "exact counts")
+    mbar = float(contributions.mean_bounded(group_size))
+    return PlanningSizes(int(n_users), None, float(n_users) * mbar, mbar, PRIVATE_SIZES)
 
 
 def read_train_counts(users_path: str) -> np.ndarray:

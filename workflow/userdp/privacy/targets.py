@@ -6,6 +6,7 @@ from typing import Any
 
 from .. import layout
 from ..layout import sorted_dict
+from .seed_secrecy import secret_seeds  # noqa: F401 (rule contribution_stats_dp's `secret` param)
 
 
 def counts_from_tokens(config: dict) -> bool:
@@ -43,7 +44,9 @@ def plan_privacy_params(config: dict, method: str, eps: str, group: str | None =
       leaves existing plans up to date);
     - never `comparison` (it only feeds rule accounting_comparison) nor
       `secret_seeds` (it changes where the training randomness comes from,
-      not the plan; rule finetune carries it).
+      not the plan; rule finetune carries it, and rule contribution_stats_dp,
+      whose release every plan of the dataset reads, carries it resolved per
+      dataset by `secret_seeds`).
     """
     privacy = config["privacy"]
     private = eps != "inf"
@@ -59,11 +62,23 @@ def plan_privacy_params(config: dict, method: str, eps: str, group: str | None =
         gs = privacy.get("group_size") or {}
         chosen: dict[str, Any] = {method: rule}
         if snr:
-            chosen.update({k: gs[k] for k in ("snr_noise_ratio", "snr_max_quantile") if k in gs})
+            chosen.update({k: gs[k] for k in ("snr_noise_ratio", "snr_max_quantile", "snr_min_cohort") if k in gs})
         out["group_size"] = chosen
     if stats_private(config):
         out["contribution_stats"] = privacy["contribution_stats"]
     return sorted_dict(out)
+
+
+def selection_param(config: dict) -> dict[str, Any]:
+    """How a cell's learning-rate runs become the released model (rule plan's `selection` param).
+
+    In the default `composed` mode the number of learning rates is part of it
+    (each run is calibrated for the k runs composed); in `per_run` mode it is
+    not, so changing the rates re-plans nothing.
+    """
+    from .selection import Selection  # lazy, like _group_rule
+
+    return Selection.from_config(config["privacy"], config["training"]["learning_rates"]).record()
 
 
 def reference_epsilon_param(config: dict, method: str, eps: str, group: str | None = None) -> float | None:

@@ -13,6 +13,7 @@ micro-batches: clipping needs all rows of a unit in one call.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -69,31 +70,35 @@ def select_uls(
     pool: TrainingPool,
     sampled_users: np.ndarray,
     examples_per_user: int | None = None,
-    rng: np.random.Generator | None = None,
+    subset_keys: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> StepSelection:
     """ULS: every sampled user is a unit holding all its bounded examples.
 
     With `examples_per_user` = k, a user with more than k bounded examples
-    contributes a uniformly random k of them this step (drawn from `rng`).
-    Weights are 1/(rows of the user) so the unit's gradient is the mean.
+    contributes a uniformly random k of them this step: the k rows with the
+    smallest `subset_keys(user indices, ranks)` (the sampler's per-user,
+    per-step keys, PoissonSampler.subset_keys), so the choice of one user
+    never depends on which other users were sampled or exist. Weights are
+    1/(rows of the user) so the unit's gradient is the mean.
     """
     users = np.asarray(sampled_users, dtype=np.int64)
     starts = pool.user_offsets[users]
     sizes = pool.user_offsets[users + 1] - starts
-    if examples_per_user is None or not np.any(sizes > examples_per_user):
-        total = int(sizes.sum())
-        unit_start = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(sizes) else np.zeros(0, np.int64)
-        rows = np.repeat(starts, sizes) + (np.arange(total) - np.repeat(unit_start, sizes))
-    else:
-        if rng is None:
-            raise ValueError("select_uls needs an rng when examples_per_user is set")
-        parts = []
-        for s, m in zip(starts, sizes):
-            if m > examples_per_user:
-                parts.append(np.sort(s + rng.choice(m, size=examples_per_user, replace=False)))
-            else:
-                parts.append(np.arange(s, s + m))
-        rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    total = int(sizes.sum())
+    unit_start = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, np.int64)
+    rank = np.arange(total) - np.repeat(unit_start, sizes)  # each row's rank among its user's rows
+    rows = np.repeat(starts, sizes) + rank
+    if examples_per_user is not None and np.any(sizes > examples_per_user):
+        if subset_keys is None:
+            raise ValueError("select_uls needs subset_keys when examples_per_user is set")
+        unit = np.repeat(np.arange(len(users)), sizes)
+        big = np.repeat(sizes > examples_per_user, sizes)
+        keys = np.zeros(total, dtype=np.uint64)  # users with at most k rows keep them all
+        keys[big] = subset_keys(users[unit[big]], rank[big])
+        by_key = np.lexsort((keys, unit))  # within each user by key; users stay in order
+        keep = by_key[rank < examples_per_user]  # `rank` of the sorted position: the first k of each user
+        keep.sort()  # users in order, each user's kept rows in rank order
+        rows = rows[keep]
         sizes = np.minimum(sizes, examples_per_user)
     weights = np.repeat(1.0 / np.maximum(sizes, 1), sizes)
     return StepSelection(rows=rows.astype(np.int64), unit_sizes=sizes.astype(np.int64), weights=weights, n_users=len(users))

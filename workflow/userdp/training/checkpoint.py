@@ -10,7 +10,19 @@ killed while saving leaves the previous checkpoint intact.
 A fingerprint of the mechanism and training settings is stored with it; a
 checkpoint whose fingerprint differs (the plan or config changed) is ignored
 and training starts afresh, rather than silently mixing two mechanisms.
-The checkpoint is deleted once the run's final outputs are written.
+
+The checkpoint holds the noise generator's and the sampler's states: with
+secret seeds (privacy.secret_seeds) the only copy of the secret, from which
+the noise of the released model could be regenerated and subtracted. So:
+
+- the folder is 0700 and state.pt 0600, whatever the umask;
+- it is loaded with `torch.load(weights_only=True)`: it holds only tensors
+  and plain Python values (the RNG states are dicts of ints and byte
+  tensors), so no allow-list is needed, and a file holding any other object
+  (one whose unpickling could run code) is refused with a DataError;
+- it is deleted once the run's final outputs are written, and a deletion
+  that fails raises a DataError naming the folder instead of leaving the
+  secret behind silently.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,11 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import DataError
 from ..io import atomic_path
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "state.pt"
+DIR_MODE, FILE_MODE = 0o700, 0o600
 
 
 def fingerprint(obj: Any) -> str:
@@ -64,9 +79,16 @@ def arrays_digest(*arrays: np.ndarray) -> str:
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write `state` atomically to `ckpt_dir/state.pt`."""
-    path = Path(ckpt_dir) / CHECKPOINT_FILE
-    with atomic_path(path) as tmp:
+    """Write `state` atomically to `ckpt_dir/state.pt` (folder 0700, file 0600).
+
+    `state` must hold only tensors and plain Python values (what
+    `load_checkpoint` accepts).
+    """
+    folder = Path(ckpt_dir)
+    folder.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(folder, DIR_MODE)  # mkdir's mode is masked by the umask, and the folder may predate this
+    path = folder / CHECKPOINT_FILE
+    with atomic_path(path, mode=FILE_MODE) as tmp:  # the temporary file is 0600 too (mkstemp)
         torch.save(state, tmp)
     return path
 
@@ -76,7 +98,21 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, expected_fingerprint: str) -> d
     path = Path(ckpt_dir) / CHECKPOINT_FILE
     if not path.exists():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[-1][:300]
+        raise DataError(
+            f"checkpoint {path} holds objects other than tensors and plain values ({reason}); userdp does not "
+            f"write such checkpoints and loading it could run arbitrary code, so it is refused. Delete the folder "
+            f"{Path(ckpt_dir)} to restart this run from step 0."
+        ) from None
+    except (RuntimeError, OSError, EOFError) as exc:
+        raise DataError(f"checkpoint {path} cannot be read ({exc}); delete the folder {Path(ckpt_dir)} to restart "
+                        "this run from step 0.") from None
+    if not isinstance(state, dict):
+        raise DataError(f"checkpoint {path} holds a {type(state).__name__}, not a training state; delete the "
+                        f"folder {Path(ckpt_dir)} to restart this run from step 0.")
     if state.get("fingerprint") != expected_fingerprint:
         log.warning("ignoring checkpoint %s: it belongs to a different plan or training config", path)
         return None
@@ -84,5 +120,18 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, expected_fingerprint: str) -> d
 
 
 def remove_checkpoint(ckpt_dir: str | os.PathLike) -> None:
-    """Delete the checkpoint folder (after the run's outputs are complete)."""
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    """Delete the checkpoint folder (after the run's outputs are complete); DataError if it cannot be deleted.
+
+    A folder that does not exist (no checkpoint was written) is fine.
+    """
+    folder = Path(ckpt_dir)
+    if not os.path.lexists(folder):
+        return
+    try:
+        shutil.rmtree(folder)  # raises on any failure, also for a symbolic link or a file in its place
+    except OSError as exc:
+        raise DataError(
+            f"could not delete the checkpoint folder {folder} after the run's outputs were written ({exc}). It "
+            "holds the sampler's and the noise generator's states (with secret seeds the only copy of the secret "
+            f"noise seeds), so it must not stay behind: fix the cause, delete {folder} by hand and rerun the job."
+        ) from exc

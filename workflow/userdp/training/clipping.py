@@ -20,6 +20,15 @@ gradients of the big matrices blindly and never runs one backward per unit:
    instantiated per-unit gradients, or the ordinary weight-gradient matmul
    with each row reweighted by its unit's factor.
 
+Containment (docs/method.md section 3): a unit whose gradient norm is not
+finite (a NaN or inf anywhere in its gradient makes it so) gets factor 0 and
+its rows are zeroed before they enter any sum, so it contributes exactly
+zero and cannot turn the step into NaN; `accumulate` counts such units
+(`nonfinite_units`). Normalized clipping gives a unit whose norm is zero, or
+below the underflow floor `norm_floor`, factor 0 instead of C / 0. The
+masking runs only in micro-batches that have a non-finite unit; otherwise
+the only extra work is an isfinite over the [U] norms.
+
 Rows are sorted by (size of their unit, unit id) so a user's rows are
 contiguous and users of equal size reshape into one batch without padding.
 
@@ -358,6 +367,7 @@ class ClippedGradients:
             raise ConfigError("DP clipping does not support gradient checkpointing (the forward would run twice); "
                               "disable it on the model")
         self._ids = {id(p) for p in self.params}
+        self.norm_floor = norm_floor(self.params)
         # per-call state
         self._states: dict[int, gn.ParamState] = {}
         self._layout: gn.UnitLayout | None = None
@@ -370,7 +380,10 @@ class ClippedGradients:
 
         Returns loss_sum (sum of row losses), n_rows, n_units, unit_ids (the
         units, ascending), unit_norms (their pre-clip gradient norms, same
-        order; empty when clip_norm is None) and clipped_fraction.
+        order; empty when clip_norm is None), clipped_fraction (units whose
+        factor is below 1, dropped ones included) and nonfinite_units (units
+        whose norm was NaN or inf: they contributed zero, and their rows are
+        left out of loss_sum and n_rows; always 0 when clip_norm is None).
         """
         self._check_trainable()
         device = next(self.model.parameters()).device
@@ -383,7 +396,7 @@ class ClippedGradients:
         empty = torch.empty(0, device=device)
         if n_rows == 0:
             self._ensure_grads()
-            return self._stats(0.0, 0, unit_ids, empty, 0.0)
+            return self._stats(0.0, 0, unit_ids, empty, 0.0, 0)
         lengths = attention_mask.sum(1)
         if not torch.equal(attention_mask.cumprod(1).sum(1), lengths):
             raise ValueError("attention_mask rows must be right-padded (ones, then zeros)")
@@ -397,7 +410,7 @@ class ClippedGradients:
             losses = self._forward_losses(input_ids, attention_mask)
             (losses * row_weights.to(losses.dtype)).sum().backward()
             self._ensure_grads()
-            return self._stats(float(losses.detach().sum()), n_rows, units, empty, 0.0)
+            return self._stats(float(losses.detach().sum()), n_rows, units, empty, 0.0, 0)
 
         # Sort rows by (rows of their unit, unit id): each unit's rows become
         # contiguous and units of equal size form reshape-able groups.
@@ -406,16 +419,18 @@ class ClippedGradients:
         row_unit = rank[inverse]
         perm = torch.argsort(row_unit, stable=True)
         layout = gn.UnitLayout.from_sorted_rows(row_unit[perm], max_len)
-        loss_sum, norms = self._clipped_pass(input_ids[perm], attention_mask[perm], row_weights[perm], layout)
+        loss_sum, loss_rows, norms = self._clipped_pass(input_ids[perm], attention_mask[perm], row_weights[perm],
+                                                        layout)
         norms = norms[rank]  # back to ascending unit id
-        clipped = float((norms > self.clip_norm).float().mean())
-        return self._stats(loss_sum, n_rows, units, norms, clipped)
+        clipped = float((~(norms <= self.clip_norm)).float().mean())  # NaN norms count as clipped (to zero)
+        nonfinite = int((~torch.isfinite(norms)).sum())
+        return self._stats(loss_sum, loss_rows, units, norms, clipped, nonfinite)
 
     # ------------------------------------------------------------ internals
     @staticmethod
-    def _stats(loss_sum: float, n_rows: int, units: Tensor, norms: Tensor, clipped: float) -> dict:
+    def _stats(loss_sum: float, n_rows: int, units: Tensor, norms: Tensor, clipped: float, nonfinite: int) -> dict:
         return {"loss_sum": loss_sum, "n_rows": n_rows, "n_units": int(units.numel()), "unit_ids": units,
-                "unit_norms": norms.detach(), "clipped_fraction": clipped}
+                "unit_norms": norms.detach(), "clipped_fraction": clipped, "nonfinite_units": nonfinite}
 
     def _check_trainable(self) -> None:
         now = {id(p) for p in self.model.parameters() if p.requires_grad}
@@ -433,7 +448,7 @@ class ClippedGradients:
         return row_losses(out.logits, input_ids, attention_mask)[0]
 
     def _clipped_pass(self, input_ids: Tensor, attention_mask: Tensor, row_weights: Tensor,
-                      layout: gn.UnitLayout) -> tuple[float, Tensor]:
+                      layout: gn.UnitLayout) -> tuple[float, int, Tensor]:
         self._layout = layout
         # Under autocast, instantiated per-unit gradients are stored in the
         # autocast dtype (memory); norms are reduced in float32 or wider from
@@ -469,13 +484,18 @@ class ClippedGradients:
             handles = []
             if weighted.requires_grad:
                 weighted.backward()
-            loss_sum = float(losses.detach().sum())
-            del losses, weighted
+            losses = losses.detach()
+            del weighted
             with _no_autocast(input_ids.device):
                 norms = self._unit_norms()
-                factors = self._clip_factors(norms)
-                self._add_clipped_grads(factors)
-            return loss_sum, norms
+                factors, dropped = self._clip_factors(norms)
+                # One host sync per micro-batch; the masking below runs only when a unit is dropped.
+                drop = dropped if bool(dropped.any()) else None
+                self._add_clipped_grads(factors, drop)
+            if drop is None:
+                return float(losses.sum()), layout.n_rows, norms
+            kept_rows = ~drop[layout.row_unit]
+            return float(losses[kept_rows].sum()), int(kept_rows.sum()), norms
         finally:
             for h in handles:
                 h.remove()
@@ -552,39 +572,65 @@ class ClippedGradients:
             sq += part.to(dt)
         return sq.clamp(min=0).sqrt()
 
-    def _clip_factors(self, norms: Tensor) -> Tensor:
-        c = self.clip_norm
-        if self.normalize:
-            return c / norms.clamp(min=torch.finfo(norms.dtype).tiny)
-        return torch.where(norms > c, c / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
+    def _clip_factors(self, norms: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-unit clip factors [U] and the units dropped for a non-finite norm [U] bool.
 
-    def _add_clipped_grads(self, factors: Tensor) -> None:
-        """Add sum_u factor_u * g_u into p.grad for every trainable parameter."""
+        Flat: min(1, C / ||g_u||). Normalized: C / ||g_u||, and 0 when the
+        norm is at most `norm_floor` (a zero gradient has no direction; C / 0
+        would overflow to inf and 0 * inf is NaN) or C / ||g_u|| overflows.
+        Either way a NaN or inf norm gives 0: `_add_clipped_grads` then zeroes
+        the unit's rows, so it contributes exactly zero.
+        """
+        c = self.clip_norm
+        finite = torch.isfinite(norms)
+        safe = torch.where(finite & (norms > 0), norms, torch.ones_like(norms))
+        zero = torch.zeros_like(norms)
+        if self.normalize:
+            f = c / safe
+            return torch.where(finite & (norms > self.norm_floor) & torch.isfinite(f), f, zero), ~finite
+        f = torch.where(norms > c, c / safe, torch.ones_like(norms))
+        return torch.where(finite, f, zero), ~finite
+
+    def _add_clipped_grads(self, factors: Tensor, drop: Tensor | None = None) -> None:
+        """Add sum_u factor_u * g_u into p.grad for every trainable parameter.
+
+        drop [U] bool: units whose gradient is not finite. Their factor is 0,
+        but 0 * NaN is NaN, so their rows (and per-unit gradients) are zeroed
+        before they enter a sum; None (no such unit) skips the masking.
+        """
         layout = self._layout
         row_f = factors[layout.row_unit]
+        row_drop = None if drop is None else drop[layout.row_unit]
         for st in self._states.values():
             p = st.param
             dt = gn.norm_dtype(p.dtype)
             parts: list[Tensor] = []
             if st.kind == "vector":
                 if st.row_sums is not None:
-                    parts.append((row_f.to(dt) @ st.row_sums.to(dt)).view(p.shape))
+                    rs = st.row_sums if row_drop is None else st.row_sums.masked_fill(row_drop[:, None], 0)
+                    parts.append((row_f.to(dt) @ rs.to(dt)).view(p.shape))
             else:
                 n_rows = st.ghost_rows(layout)
                 for grp, ug in zip(layout.groups[st.n_ghost:], st.unit_grads):
                     if ug is not None:
                         f = factors[grp.unit_lo: grp.unit_hi].to(dt)
-                        parts.append((f @ ug.reshape(grp.n_units, -1).to(dt)).view(p.shape))
+                        ug = ug.reshape(grp.n_units, -1)
+                        if drop is not None:
+                            ug = ug.masked_fill(drop[grp.unit_lo: grp.unit_hi, None], 0)
+                        parts.append((f @ ug.to(dt)).view(p.shape))
                 st.unit_grads = []
                 if n_rows:
                     for rec in st.dense:
-                        parts.append(gn.weighted_dense_grad(rec, row_f, n_rows))
+                        parts.append(gn.weighted_dense_grad(rec, row_f, n_rows, row_drop))
                     if st.index:
                         n_vocab = p.shape[0]
                         uniq, rows = gn.sparse_index_rows(st.index, layout, n_rows, n_vocab, dt)
                         unit = torch.div(uniq, n_vocab, rounding_mode="floor")
+                        rows = rows * factors.to(dt)[unit][:, None]
+                        if drop is not None:
+                            rows = rows.masked_fill(drop[unit][:, None], 0)
                         emb = torch.zeros(p.shape, dtype=dt, device=p.device)
-                        emb.index_add_(0, uniq - unit * n_vocab, rows * factors.to(dt)[unit][:, None])
+                        emb.index_add_(0, uniq - unit * n_vocab, rows)
                         parts.append(emb)
                 st.dense, st.index = [], []
             st.row_sums = None
@@ -595,6 +641,27 @@ class ClippedGradients:
                     p.grad.add_(part)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+
+
+def norm_floor(params: list[nn.Parameter]) -> float:
+    """The smallest per-unit norm normalized clipping trusts: sqrt(d * tiny * 2^20).
+
+    Norms are sums of squares in the norm dtype (float32 for float32, bf16
+    and fp16 parameters). A squared coordinate below that dtype's smallest
+    normal number `tiny` is subnormal or flushed to zero, so over d
+    coordinates the squared norm can be off by up to d * tiny in absolute
+    terms. Above this floor that is a relative error of at most 2^-20, so
+    C g / ||g|| has norm C to float rounding; below it the direction is
+    numerically meaningless and C / ||g|| could exceed what the gradient
+    supports, so such a unit contributes zero. About 2e-14 for a tiny model,
+    2e-12 for GPT-2 medium in float32; real gradient norms are many orders of
+    magnitude larger.
+    """
+    if not params:
+        return 0.0
+    d = sum(p.numel() for p in params)
+    tiny = torch.finfo(gn.norm_dtype(params[0].dtype)).tiny
+    return float((d * tiny * 2.0**20) ** 0.5)
 
 
 def _no_autocast(device: torch.device):

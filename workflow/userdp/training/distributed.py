@@ -4,9 +4,9 @@ Design (explicit all-reduce, not DDP's hooks: ClippedGradients already
 produces summed clipped gradients, which is exactly what must be reduced):
 
 - Sampling needs no communication. Every rank runs the same seeded
-  PoissonSampler (and, for ULS with `uls_examples_per_user`, the same
-  per-user subsampling from that generator), so every rank draws the same
-  units each step. The step's micro-batches are packed identically on every
+  PoissonSampler (keyed per-unit draws, and for ULS with
+  `uls_examples_per_user` the same keyed per-user row subsets), so every
+  rank draws the same units each step. The step's micro-batches are packed identically on every
   rank and micro-batch i is processed by rank i % world_size.
 - Each rank adds the clipped per-unit gradients of its micro-batches into
   p.grad; a unit never straddles micro-batches, so it is clipped whole by
@@ -135,11 +135,16 @@ def my_share(items: Sequence[T], ctx: DistContext | None) -> list[T]:
 
 def all_reduce_grads(params: Iterable[torch.nn.Parameter], ctx: DistContext | None) -> None:
     """Sum p.grad over ranks in place, through one flat buffer per dtype (one collective, not one per tensor)."""
+    all_reduce_grads_of([p.grad for p in params], ctx)
+
+
+def all_reduce_grads_of(tensors: Iterable[torch.Tensor], ctx: DistContext | None) -> None:
+    """Sum tensors over ranks in place, through one flat buffer per dtype (one collective, not one per tensor)."""
     if ctx is None or not ctx.active:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.SUM)

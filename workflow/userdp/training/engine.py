@@ -5,6 +5,10 @@ Opacus' DPOptimizer.pre_step (`DPStep`):
 
 1. `sample`: Poisson-sample units: examples of the bounded pool (ELS, rate q)
    or train users (ULS, rate q_u). The realised size varies; that is correct.
+   Draws are keyed per unit identity (sampling.py), so removing a user
+   changes no other unit's draws; `train(observe=...)` exposes each step's
+   units, clipped sum and noise to check exactly that
+   (tests/test_replay_neighbouring.py).
 2. `clipped_sum`: pack the units' rows into fixed-shape micro-batches; add the
    clipped per-unit gradients of every micro-batch into p.grad
    (ClippedGradients).
@@ -48,9 +52,10 @@ from ..errors import DataError, PrivacyError
 from ..io import write_json, write_parquet
 from ..layout import LEDGER, RUN_MODEL, TRAIN_LOG, fmt_num
 from ..privacy import mechanism as privacy_mechanism
+from ..privacy.planner import sizes_from_release
 from ..seeding import derive_seed
 from . import checkpoint as ckpt
-from . import distributed
+from . import distributed, step_log
 from .batching import StepSelection, check_uls_fits, pack_micro_batches, select_els, select_uls
 from .ledger import build_ledger
 from .models import autocast_context, resolve_device, save_model_atomic
@@ -62,10 +67,8 @@ from .settings import TrainSettings
 
 log = logging.getLogger(__name__)
 
-LOG_COLUMNS = [
-    "step", "loss", "realised_examples", "realised_users", "realised_units", "examples_processed",
-    "learning_rate", "clipped_fraction", "mean_unit_norm", "seconds",
-]
+# The per-step log's columns, and which of them leave the run (training.debug_step_log): step_log.
+LOG_COLUMNS = step_log.LOG_COLUMNS
 # The plan keys that define the mechanism a checkpoint belongs to.
 FINGERPRINT_PLAN_KEYS = ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size",
                          "steps", "delta")
@@ -157,6 +160,7 @@ def run_fingerprint(plan: dict[str, Any], settings: TrainSettings, device: torch
         "plan": {k: plan.get(k) for k in FINGERPRINT_PLAN_KEYS},
         "settings": settings.result_settings(device=device.type),
         "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
+        "sampler": PoissonSampler.SCHEME,
         "model": ckpt.model_digest(model),
         "pool": ckpt.arrays_digest(pool.user_offsets, pool.example_ids, pool.token_offsets, pool.token_values),
     })
@@ -213,7 +217,15 @@ class RunMechanism:
         return pool.n_examples if self.unit_name == "examples" else pool.n_users
 
 
-def _check_expected(plan: dict[str, Any], mech: RunMechanism, n_units: int, expected: float) -> None:
+def _check_expected(plan: dict[str, Any], mech: RunMechanism, n_units: int, expected: float) -> float:
+    """The public constant the noisy sum is divided by: q * N on this pool, or the plan's expected batch when
+    the plan's sizes come from the DP contribution statistics (docs/privacy.md): there q * N_G would depend on
+    the exact pool size N_G, which is not public, while the plan's K / T (ELS) or q_u * N (ULS) is."""
+    if sizes_from_release(plan):
+        planned = float(plan["expected_batch"])
+        if not planned > 0:
+            raise DataError(f"plan expected_batch is {planned}; the plan does not fit this pool. Rebuild the plan.")
+        return planned  # no comparison with q * N: a message with it would print the exact pool size
     if expected <= 0:
         raise DataError(f"expected batch size q * N = {mech.rate} * {n_units} is 0; the plan does not fit this pool.")
     planned = plan.get("expected_batch")
@@ -223,6 +235,7 @@ def _check_expected(plan: dict[str, Any], mech: RunMechanism, n_units: int, expe
             "the expectation of the realised size under this sampler.",
             float(planned), expected, n_units, mech.unit_name,
         )
+    return expected
 
 
 @dataclass
@@ -233,8 +246,9 @@ class StepSums:
     n_rows: int = 0
     n_units: int = 0
     clipped: float = 0.0   # sum over micro-batches of clipped_fraction * units
-    norm_sum: float = 0.0  # sum of the units' pre-clip norms
+    norm_sum: float = 0.0  # sum of the units' pre-clip norms (finite ones)
     norm_n: int = 0
+    nonfinite_units: int = 0  # units dropped for a NaN/inf gradient (they contributed zero)
 
     def add(self, stats: dict[str, Any]) -> None:
         """Add one `accumulate` result."""
@@ -243,10 +257,34 @@ class StepSums:
         k = int(stats["n_units"])
         self.n_units += k
         self.clipped += float(stats.get("clipped_fraction") or 0.0) * k
+        self.nonfinite_units += int(stats.get("nonfinite_units") or 0)
         norms = stats.get("unit_norms")
         if norms is not None:
             t = torch.as_tensor(norms).detach().float().reshape(-1)
+            t = t[torch.isfinite(t)]  # a dropped unit's NaN/inf norm is counted in nonfinite_units instead
             self.norm_sum, self.norm_n = self.norm_sum + float(t.sum()), self.norm_n + int(t.numel())
+
+
+@dataclass
+class StepObservation:
+    """What one step computed, handed to `train(observe=...)`; built (and copied) only when observing.
+
+    The hook for tests and audits of the mechanism (tests/test_replay_neighbouring.py): on D and on D
+    minus one user, with the same seeds, every step must sample the same other units, draw the same
+    noise and have clipped sums at most k_t C (ELS) or C (ULS) apart.
+
+    step: 1-based. selection: the sampled units (pool rows of every unit, StepSelection; map them to
+    users with pool.example_user). clipped_sum: per trainable parameter, the sum over all ranks of the
+    clipped per-unit gradients, before noise (an extra all-reduce with several processes, only when
+    observing). noise: the noise rank 0 added to it (None on other ranks and when sigma or C is 0).
+    nonfinite_units: units dropped for a non-finite gradient.
+    """
+
+    step: int
+    selection: StepSelection
+    clipped_sum: list[torch.Tensor]
+    noise: list[torch.Tensor] | None
+    nonfinite_units: int
 
 
 def _default_gradient_source() -> Callable[..., Any]:
@@ -264,10 +302,12 @@ class DPStep:
 
     def __init__(self, mech: RunMechanism, pool: TrainingPool, sampler: PoissonSampler, noise: GaussianNoise,
                  grads: Any, params: list[torch.nn.Parameter], settings: TrainSettings, pad_id: int,
-                 device: torch.device, dist: distributed.DistContext | None):
+                 device: torch.device, dist: distributed.DistContext | None, expected: float):
         self.mech, self.pool, self.sampler, self.noise, self.grads = mech, pool, sampler, noise, grads
         self.params, self.settings, self.pad_id, self.device, self.dist = params, settings, pad_id, device, dist
-        self.expected = sampler.expected_size
+        # The divisor, decided once by `_check_expected`: q N, or the plan's public expected batch with DP
+        # contribution statistics (no fallback to the pool's exact size here).
+        self.expected = float(expected)
         self.autocast = autocast_context(device, settings.precision)
 
     def sample(self) -> StepSelection:
@@ -275,7 +315,7 @@ class DPStep:
         sampled = self.sampler.sample()
         if self.mech.unit_name == "examples":
             return select_els(self.pool, sampled)
-        return select_uls(self.pool, sampled, self.settings.uls_examples_per_user, self.sampler.rng)
+        return select_uls(self.pool, sampled, self.settings.uls_examples_per_user, self.sampler.subset_keys)
 
     def clipped_sum(self, sel: StepSelection) -> StepSums:
         """p.grad = sum of the clipped per-unit gradients of this rank's share of the micro-batches."""
@@ -294,35 +334,60 @@ class DPStep:
                                                mb.unit_ids.to(self.device), mb.row_weights.to(self.device)))
         return sums
 
-    def privatize(self, sums: StepSums) -> StepSums:
-        """Noise once (rank 0), sum over ranks, divide by the expected size q N; the step's total sums."""
+    def privatize(self, sums: StepSums, observed: dict[str, Any] | None = None) -> StepSums:
+        """Noise once (rank 0), sum over ranks, divide by the expected size q N; the step's total sums.
+
+        observed: when a dict, it receives "clipped_sum" (summed over ranks, before noise) and "noise"
+        (rank 0's draws, or None) for StepObservation; None (the default) copies nothing.
+        """
         dist = self.dist
+        noise: list[torch.Tensor] | None = None
+        if observed is not None:
+            clipped = [p.grad.detach().clone() for p in self.params]
+            if dist is not None and dist.active:
+                distributed.all_reduce_grads_of(clipped, dist)
+            observed["clipped_sum"] = clipped
+            noise = []
         if dist is None or dist.is_main:
             # Noise once per step: with several processes rank 0 adds it to its partial sum
             # and the all-reduce below hands every rank the same noisy total.
-            self.noise.add_(self.params)
+            self.noise.add_(self.params, record=noise)
+        if observed is not None:
+            observed["noise"] = noise or None
         if dist is not None and dist.active:
             distributed.all_reduce_grads(self.params, dist)
             total = distributed.all_reduce_sums(list(astuple(sums)), dist, self.device)
             sums = StepSums(*total)
             sums.n_rows, sums.n_units, sums.norm_n = int(sums.n_rows), int(sums.n_units), int(sums.norm_n)
+            sums.nonfinite_units = int(sums.nonfinite_units)
         for p in self.params:
             p.grad.div_(self.expected)
         return sums
 
-    def __call__(self) -> tuple[StepSelection, StepSums]:
+    def __call__(self, observed: dict[str, Any] | None = None) -> tuple[StepSelection, StepSums]:
         sel = self.sample()
-        return sel, self.privatize(self.clipped_sum(sel))
+        return sel, self.privatize(self.clipped_sum(sel), observed)
+
+    def update_norms(self) -> tuple[float, float]:
+        """(||u||, its noise-corrected estimate) of the privatised update u in p.grad (step_log.signal_norm).
+
+        Post-processing of the step's DP release (u and the public constants sigma C, q N, d): inside the
+        guarantee. Every rank holds the same u after `privatize`.
+        """
+        sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2) for p in self.params)
+        d = sum(p.numel() for p in self.params)
+        return math.sqrt(sq), step_log.signal_norm(sq, d, self.noise.std, self.expected)
 
 
 class RunState:
     """Everything a run carries from step to step; `state_dict` is what its checkpoint holds."""
 
-    def __init__(self, model: torch.nn.Module, mech: RunMechanism, n_units: int, settings: TrainSettings,
+    def __init__(self, model: torch.nn.Module, mech: RunMechanism, pool: TrainingPool, settings: TrainSettings,
                  seeds: dict[str, Any], device: torch.device):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.sampler = PoissonSampler(n_units, mech.rate, seeds["sampler"])
+        # Per-unit keyed draws: removing a user changes no other unit's draws (sampling.py)
+        self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
         self.noise = GaussianNoise(mech.sigma, mech.clip_norm, seeds["noise"], device)
         self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate)
         self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
@@ -364,22 +429,28 @@ class RunState:
         self.scheduler.step()
         return lr
 
-    def record(self, sel: StepSelection, sums: StepSums, lr: float, seconds: float) -> dict[str, Any]:
-        """Count the finished step and append its log row (LOG_COLUMNS)."""
+    def record(self, sel: StepSelection, sums: StepSums, lr: float, seconds: float,
+               update_norms: tuple[float, float] = (math.nan, math.nan)) -> dict[str, Any]:
+        """Count the finished step and append its log row (LOG_COLUMNS; plain Python values, as the checkpoint
+        is loaded with weights_only). Every column is kept in memory and in the checkpoint; which of them are
+        written out is step_log.released_columns."""
         self.step += 1
-        self.examples_processed += sel.n_examples
-        self.users_processed += sel.n_users
+        self.examples_processed += int(sel.n_examples)
+        self.users_processed += int(sel.n_users)
         row = {
             "step": self.step,
-            "loss": sums.loss_sum / sums.n_rows if sums.n_rows else math.nan,
-            "realised_examples": sel.n_examples,
-            "realised_users": sel.n_users,
-            "realised_units": sel.n_units,
+            "learning_rate": float(lr),
+            "update_norm": float(update_norms[0]),
+            "update_signal_norm": float(update_norms[1]),
+            "loss": float(sums.loss_sum / sums.n_rows) if sums.n_rows else math.nan,
+            "realised_examples": int(sel.n_examples),
+            "realised_users": int(sel.n_users),
+            "realised_units": int(sel.n_units),
             "examples_processed": self.examples_processed,
-            "learning_rate": lr,
-            "clipped_fraction": sums.clipped / sums.n_units if sums.n_units and self.private else math.nan,
-            "mean_unit_norm": sums.norm_sum / sums.norm_n if sums.norm_n else math.nan,
-            "seconds": seconds,
+            "clipped_fraction": float(sums.clipped / sums.n_units) if sums.n_units and self.private else math.nan,
+            "mean_unit_norm": float(sums.norm_sum / sums.norm_n) if sums.norm_n else math.nan,
+            "nonfinite_units": int(sums.nonfinite_units),
+            "seconds": float(seconds),
         }
         self.rows.append(row)
         return row
@@ -389,10 +460,11 @@ class RunState:
 
 
 class _Progress:
-    """Logs step, loss, throughput and ETA every `every_s` seconds (and at the last step)."""
+    """Logs step and ETA every `every_s` seconds (and at the last step); the batch loss and throughput only with
+    training.debug_step_log (noise-free functions of the sampled users, outside the guarantee: step_log)."""
 
-    def __init__(self, total_steps: int, every_s: float):
-        self.total, self.every_s = total_steps, every_s
+    def __init__(self, total_steps: int, every_s: float, debug: bool = False):
+        self.total, self.every_s, self.debug = total_steps, every_s, debug
         self.start = time.monotonic()
         self.last = self.start - every_s
 
@@ -402,10 +474,13 @@ class _Progress:
             return
         self.last = now
         elapsed = now - self.start
-        ex_rate = sum(r["realised_examples"] for r in run.rows[-done_now:]) / max(elapsed, 1e-9)
         eta = (self.total - run.step) * elapsed / done_now
-        log.info("step %d/%d loss %.4f examples/s %.1f ETA %.0fs", run.step, self.total, run.rows[-1]["loss"],
-                 ex_rate, eta)
+        if not self.debug:
+            log.info("step %d/%d ETA %.0fs", run.step, self.total, eta)
+            return
+        ex_rate = sum(r["realised_examples"] for r in run.rows[-done_now:]) / max(elapsed, 1e-9)
+        log.info("step %d/%d loss %.4f examples/s %.1f ETA %.0fs [%s: outside the guarantee]", run.step,
+                 self.total, run.rows[-1]["loss"], ex_rate, eta, step_log.KEY)
 
 
 def train(
@@ -422,6 +497,7 @@ def train(
     max_steps: int | None = None,
     on_step: Callable[[int, dict], None] | None = None,
     dist: distributed.DistContext | None = None,
+    observe: Callable[[StepObservation], None] | None = None,
 ) -> TrainOutcome:
     """Run (or resume) DP fine-tuning of `model` on `pool` with the mechanism in `plan`.
 
@@ -436,6 +512,9 @@ def train(
     interrupts the run like a crash would.
     dist: this process's rank in a data-parallel group (default: taken from an
     initialised torch.distributed process group; None = one process).
+    observe: called after every step, on every rank, with its StepObservation
+    (sampled units, clipped sum before noise, the noise); None (the default)
+    builds and copies nothing.
     """
     mech = RunMechanism.from_plan(plan, pool, settings)
     dist = distributed.current_context() if dist is None else dist
@@ -448,10 +527,11 @@ def train(
         # same secret streams. Only the checkpoint (deleted at the end) holds them.
         seeds = draw_secret_seeds(seeds, dist, device)
     n_units = mech.n_units(pool)
-    run = RunState(model, mech, n_units, settings, seeds, device)
-    _check_expected(plan, mech, n_units, run.sampler.expected_size)
+    run = RunState(model, mech, pool, settings, seeds, device)
+    divisor = _check_expected(plan, mech, n_units, run.sampler.expected_size)
     grads = (gradient_source or _default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
-    dp_step = DPStep(mech, pool, run.sampler, run.noise, grads, run.params, settings, pad_id, device, dist)
+    dp_step = DPStep(mech, pool, run.sampler, run.noise, grads, run.params, settings, pad_id, device, dist,
+                     expected=divisor)
     fp = run_fingerprint(plan, settings, device, seeds, pool, model, n_units)
     if (saved := ckpt.load_checkpoint(paths.checkpoint_dir, fp)) is not None:
         run.load_state_dict(saved)
@@ -463,18 +543,24 @@ def train(
         if dist is None or dist.is_main:  # every rank holds the same state; rank 0 writes it
             ckpt.save_checkpoint(paths.checkpoint_dir, {"fingerprint": fp, **run.state_dict()})
 
-    log.info("training %s: T=%d q=%.6g expected %s=%.2f sigma=%.4g C=%s G=%d pool=%d examples/%d users lr=%g "
+    # With DP contribution statistics the pool's exact size N_G is a statistic of the counts: not logged.
+    pool_size = "withheld (DP contribution statistics)" if sizes_from_release(plan) else str(pool.n_examples)
+    log.info("training %s: T=%d q=%.6g expected %s=%.2f sigma=%.4g C=%s G=%d pool=%s examples/%d users lr=%g "
              "device=%s processes=%d", mech.method, mech.steps, mech.rate, mech.unit_name, dp_step.expected,
-             mech.sigma, mech.clip_norm, mech.group_size, pool.n_examples, pool.n_users, settings.learning_rate,
+             mech.sigma, mech.clip_norm, mech.group_size, pool_size, pool.n_users, settings.learning_rate,
              device, dist.world_size if dist is not None else 1)
-    progress, done_now, saved_at = _Progress(mech.steps, settings.log_every_s), 0, run.step
+    progress, done_now, saved_at = _Progress(mech.steps, settings.log_every_s, settings.debug_step_log), 0, run.step
     while run.step < mech.steps and (max_steps is None or done_now < max_steps):
         t0 = time.monotonic()
-        sel, sums = dp_step()
-        row = run.record(sel, sums, run.update(), time.monotonic() - t0)
+        observed: dict[str, Any] | None = None if observe is None else {}
+        sel, sums = dp_step(observed)
+        norms = dp_step.update_norms()  # before the optimizer step, which may touch p.grad
+        row = run.record(sel, sums, run.update(), time.monotonic() - t0, norms)
         done_now += 1
         if on_step is not None:
             on_step(run.step, row)
+        if observe is not None:
+            observe(StepObservation(run.step, sel, observed["clipped_sum"], observed["noise"], sums.nonfinite_units))
         if run.step % settings.checkpoint_every == 0 and run.step < mech.steps:
             save()
             saved_at = run.step
@@ -486,36 +572,53 @@ def train(
         distributed.broadcast_object(None, dist, device)  # no rank returns before the checkpoint is written
         log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", run.step, mech.steps)
         return TrainOutcome(False, run.step, None, run.frame())
-    return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon)
+    return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon, dp_step.expected)
 
 
 def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings, paths: RunPaths,
             seeds: dict[str, Any], device: torch.device, dist: distributed.DistContext | None,
-            compute_epsilon: Callable[..., float] | None) -> TrainOutcome:
-    """After the last step: rank 0 writes model, log and ledger, then deletes the checkpoint."""
+            compute_epsilon: Callable[..., float] | None, divisor: float) -> TrainOutcome:
+    """After the last step: rank 0 writes model, log and ledger, then deletes the checkpoint.
+
+    `divisor` is the expected batch the noisy sums were divided by. With DP contribution statistics the
+    ledger leaves out the pool's exact sizes (N_G and the examples before bounding): statistics of the counts.
+    """
     frame = run.frame()
     distributed.check_replicas(run.params, dist, device)
     if not (dist is None or dist.is_main):
         # Rank 0 writes the outputs; the broadcast returns once they are complete.
         ledger = distributed.broadcast_object(None, dist, device)
         return TrainOutcome(True, run.step, ledger, frame)
+    # With DP contribution statistics the pool's sizes and the realised compute stay out of the ledger: with the
+    # sampling rate and the step count, the examples processed would give back N_G.
+    private_sizes = sizes_from_release(plan)
+    withheld = (lambda value: None if private_sizes else value)
     ledger = build_ledger(
-        plan, steps_completed=run.step, expected_batch=run.sampler.expected_size, n_train_users=pool.n_users,
-        n_pool_examples=pool.n_examples, examples_processed=run.examples_processed,
-        users_processed=run.users_processed, learning_rate=settings.learning_rate, training=asdict(settings),
+        plan, steps_completed=run.step, expected_batch=divisor, n_train_users=pool.n_users,
+        n_pool_examples=withheld(pool.n_examples), examples_processed=withheld(run.examples_processed),
+        users_processed=withheld(run.users_processed), learning_rate=settings.learning_rate, training=asdict(settings),
         seeds=public_seeds(seeds), resumed_at=run.resumed_at, compute_epsilon=compute_epsilon,
     )
-    ledger["n_examples_before_bounding"] = pool.n_examples_before_bounding
+    ledger["n_examples_before_bounding"] = withheld(pool.n_examples_before_bounding)
     ledger["device"] = str(device)
     ledger["precision"] = settings.precision if device.type == "cuda" else "fp32"
     ledger["processes"] = dist.world_size if dist is not None else 1
+    # Units dropped for a NaN/inf gradient (they contributed zero: clipping.py). A noise-free count of the
+    # sampled users' data, so like the per-step log it is released only with training.debug_step_log.
+    dropped = sum(int(r.get("nonfinite_units", 0)) for r in run.rows)
+    ledger["nonfinite_units"] = dropped if settings.debug_step_log else None
+    if dropped and settings.debug_step_log:
+        log.warning("%d sampled unit(s) had a non-finite gradient and contributed nothing [%s: outside the "
+                    "guarantee]", dropped, step_log.KEY)
     save_model_atomic(run.model, paths.model_dir)
-    write_parquet(paths.train_log, frame)
+    # Per-step noise-free values (batch loss, realised sizes, timing) only with training.debug_step_log.
+    write_parquet(paths.train_log, frame[step_log.released_columns(settings.debug_step_log)])
     write_json(paths.ledger, ledger)
     # Outputs are complete; the checkpoint is no longer needed (it can be as
     # large as model + optimizer state).
     ckpt.remove_checkpoint(paths.checkpoint_dir)
     distributed.broadcast_object(ledger, dist, device)
-    log.info("run complete: %d steps, epsilon %.4g, realised compute %d examples (%.3f of budget)",
-             run.step, ledger["epsilon"], run.examples_processed, ledger["compute_ratio"] or math.nan)
+    log.info("run complete: %d steps, epsilon %.4g, realised compute %s", run.step, ledger["epsilon"],
+             "withheld (DP contribution statistics)" if private_sizes else
+             f"{run.examples_processed} examples ({ledger['compute_ratio'] or math.nan:.3f} of budget)")
     return TrainOutcome(True, run.step, ledger, frame)

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError, run_main
 from ..io import read_json
+from ..privacy import seed_secrecy
 from ..seeding import derive_seed
 from . import distributed, engine, models, pool
 from .settings import TrainSettings
@@ -74,7 +75,7 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
         )
     settings = TrainSettings.from_config(config, float(job.learning_rate))
     seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G,
-                             float(job.learning_rate), secret=bool(config["privacy"].get("secret_seeds", False)))
+                             float(job.learning_rate), secret=seed_secrecy.secret_seeds(config, job.dataset))
     outcome = engine.train(model, train_pool, plan, settings, engine.RunPaths(job.run_dir), seeds, pad_id, dist=dist)
     if not outcome.complete:
         raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{plan['steps']}")

@@ -262,8 +262,11 @@ def ghost_sq_norms(st: ParamState, layout: UnitLayout, out: Tensor) -> None:
                     acc += 2 * (picked.transpose(1, 2) * torch.bmm(g, cols[k].transpose(1, 2))).sum((1, 2))
 
 
-def weighted_dense_grad(rec: DenseRecord, row_factor: Tensor, n_rows: int) -> Tensor:
+def weighted_dense_grad(rec: DenseRecord, row_factor: Tensor, n_rows: int, row_drop: Tensor | None = None) -> Tensor:
     """sum over rows r < n_rows of f_r sum_t row_t col_t^T: the weight-gradient matmul, rows reweighted.
+
+    row_drop [B] bool: rows of units whose gradient is not finite; both sides
+    of those rows are zeroed first (their factor is 0, but 0 * NaN is NaN).
 
     Always in at least float32, also under autocast: the clip factors come
     from norms of these very rows and columns in float32, and the DP bound
@@ -272,6 +275,9 @@ def weighted_dense_grad(rec: DenseRecord, row_factor: Tensor, n_rows: int) -> Te
     instead of a bf16 one for the ghost-norm parameters).
     """
     row, col = rec.row[:n_rows], rec.col[:n_rows]
+    if row_drop is not None:
+        d = row_drop[:n_rows].view(n_rows, *([1] * (row.dim() - 1)))
+        row, col = row.masked_fill(d, 0), col.masked_fill(d, 0)
     dt = norm_dtype(torch.promote_types(row.dtype, col.dtype))
     row, col = row.to(dt), col.to(dt)
     f = row_factor[:n_rows].to(dt)[:, None, None]

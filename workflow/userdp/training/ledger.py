@@ -3,8 +3,13 @@
 Training records WHAT ran (method, sampling rate, noise multiplier, clip
 norm, G, steps completed, delta, and the dp-accounting event of those
 steps); epsilon is then recomputed from the event by the accountant alone,
-as dp-accounting separates events from accountants. For a complete run it must equal the plan's epsilon_achieved;
-a mismatch means training ran a different mechanism than was planned.
+as dp-accounting separates events from accountants. `epsilon` of a run's
+ledger is that run's own guarantee: for a complete run it must equal the
+plan's `epsilon_per_run`; a mismatch means training ran a different mechanism
+than was planned. The released model of a cell is chosen among its
+learning-rate runs: its ledger (written by evaluation.select) has `epsilon` =
+the guarantee of that selection (`guarantee_epsilon` with the cell's
+`privacy.selection`).
 When the plan spent part of its epsilon on DP contribution statistics
 (`contribution_stats`), the ledger records that release too and its epsilon
 composes it with the steps, as the plan's calibration did.
@@ -55,22 +60,24 @@ def run_event(record: dict[str, Any]) -> Any:
 
 
 def guarantee_epsilon(run_events: list, delta: float | None, contribution_stats: dict | None = None,
-                      accountant: Callable[..., float] | None = None) -> float:
-    """Epsilon at delta of the released runs' events composed with the DP contribution statistics, if any.
+                      accountant: Callable[..., float] | None = None, selection: Any = None) -> float:
+    """Epsilon at delta of the released model: its runs' events under `selection`, with the DP statistics once.
 
     contribution_stats: the plan's record of the statistics release; it was
-    spent once, whatever the number of runs or steps. accountant: `(event,
-    delta) -> epsilon` (default `privacy.accounting.epsilon`; tests inject a
-    fast stand-in).
+    spent once, whatever the number of runs or steps. selection: a
+    `privacy.selection.Selection` (default: the runs composed). accountant:
+    `(event, delta) -> epsilon` (default the selection's: the PLD accountant,
+    RDP for random stopping; tests inject a fast stand-in).
     """
-    from ..privacy.accounting import epsilon
     from ..privacy.contribution_stats import events_from_record
-    from ..privacy.mechanism import NON_PRIVATE, compose
+    from ..privacy.mechanism import NON_PRIVATE
+    from ..privacy.selection import Selection
 
     if any(e == NON_PRIVATE for e in run_events):
         return math.inf  # a run without noise has no guarantee, whatever else is composed with it
-    event = compose([*events_from_record(contribution_stats), *run_events])
-    return float((accountant or epsilon)(event, float(delta)))
+    selection = selection or Selection("composed", len(run_events))
+    event = selection.released_event(run_events, events_from_record(contribution_stats))
+    return float((accountant or selection.epsilon)(event, float(delta)))
 
 
 def build_ledger(
@@ -79,9 +86,9 @@ def build_ledger(
     steps_completed: int,
     expected_batch: float,
     n_train_users: int,
-    n_pool_examples: int,
-    examples_processed: int,
-    users_processed: int,
+    n_pool_examples: int | None,
+    examples_processed: int | None,
+    users_processed: int | None,
     learning_rate: float,
     training: dict[str, Any],
     seeds: dict[str, int],
@@ -95,7 +102,7 @@ def build_ledger(
     accountant (`compute_epsilon`: `(event, delta) -> epsilon`), composed with
     the DP contribution statistics when the plan spent part of its budget on them.
     """
-    from ..privacy import mechanism
+    from ..privacy import mechanism, seed_secrecy
 
     noise = float(plan.get("noise_multiplier") or 0.0)
     delta = float(plan["delta"])
@@ -119,14 +126,18 @@ def build_ledger(
         "dp_event": mechanism.event_to_json(event),
         "epsilon_planned": plan.get("epsilon"),
         "epsilon_plan_achieved": plan.get("epsilon_achieved"),
+        "epsilon_plan_per_run": plan.get("epsilon_per_run", plan.get("epsilon_achieved")),
+        "epsilon_target_of": plan.get("epsilon_target_of", "each learning-rate run"),
+        "selection": plan.get("selection"),
         "expected_batch": float(expected_batch),
         "expected_batch_planned": plan.get("expected_batch"),
         "n_train_users": int(n_train_users),
-        "n_pool_examples": int(n_pool_examples),
-        "examples_processed": int(examples_processed),
-        "users_processed": int(users_processed),
+        "n_pool_examples": None if n_pool_examples is None else int(n_pool_examples),  # None: DP statistics
+        # None with DP contribution statistics: with q and T they would give back N_G (docs/privacy.md)
+        "examples_processed": None if examples_processed is None else int(examples_processed),
+        "users_processed": None if users_processed is None else int(users_processed),
         "compute_budget": budget,
-        "compute_ratio": (examples_processed / float(budget)) if budget else None,
+        "compute_ratio": (examples_processed / float(budget)) if budget and examples_processed is not None else None,
         "learning_rate": float(learning_rate),
         "optimizer": training.get("optimizer"),
         "schedule": training.get("schedule"),
@@ -135,11 +146,16 @@ def build_ledger(
         "uls_examples_per_user": training.get("uls_examples_per_user"),
         "seed": seeds.get("run"),
         "seeds": seeds,
+        # seeds_mode / guarantee_caveat (userdp.privacy.seed_secrecy): "derived" when the run's samples and noise
+        # (or the DP statistics' noise) come from the config seed, which voids the guarantee against its holders
+        **seed_secrecy.combined_fields(seed_secrecy.seeds_mode(bool(seeds.get("secret"))),
+                                       (stats or {}).get("seeds_mode")),
         "resumed_at_steps": list(resumed_at),
         "versions": library_versions(),
     }
     if stats:
         # The DP contribution statistics release is part of the run's guarantee:
         # `epsilon` above composes its event with the steps (docs/privacy.md).
-        ledger["contribution_stats"] = {k: stats.get(k) for k in ("private", "mechanism", "epsilon", "dp_event", "file")}
+        ledger["contribution_stats"] = {k: stats.get(k) for k in ("private", "mechanism", "epsilon", "dp_event", "file",
+                                                                  "seeds_mode")}
     return ledger

@@ -35,14 +35,21 @@ class GaussianNoise:
             return 0.0
         return self.noise_multiplier * float(self.clip_norm)
 
-    def add_(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Add fresh noise to `p.grad` of every parameter (grads must exist)."""
+    def add_(self, params: Iterable[torch.nn.Parameter], record: list[torch.Tensor] | None = None) -> None:
+        """Add fresh noise to `p.grad` of every parameter (grads must exist).
+
+        record: when a list, the noise added to each parameter (std times the draw, in p.grad's dtype) is
+        appended to it (the engine's observation hook); None copies nothing.
+        """
         std = self.std
         if std == 0.0:
             return
         for p in params:
             noise = torch.randn(p.shape, generator=self.generator, device=self.device, dtype=torch.float32)
-            p.grad.add_(noise.to(device=p.grad.device, dtype=p.grad.dtype), alpha=std)
+            noise = noise.to(device=p.grad.device, dtype=p.grad.dtype)
+            p.grad.add_(noise, alpha=std)
+            if record is not None:
+                record.append(noise.mul_(std))
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "std": self.std}

@@ -21,24 +21,10 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import ConfigError, DataError
-from ..layout import PUBLIC_TOKENS
 from ..seeding import derive_seed
 from .models import build_model, load_model, load_tokenizer, save_model_atomic, special_ids
 
 log = logging.getLogger(__name__)
-
-
-def public_tokens_path(config: dict) -> str:
-    """Path of the public tokens pretraining reads; ConfigError when there is no public corpus."""
-    from ..data.tokenize import public_dataset_name
-
-    name = public_dataset_name(config)
-    if name is None:
-        raise ConfigError(
-            "model.name is null (build and pretrain a small model) but no dataset has a public part; "
-            "set tokenizer.public_dataset to a dataset with public text, or set model.name to a pretrained model."
-        )
-    return PUBLIC_TOKENS.format(dataset=name)
 
 
 def _load_public(path: str | Path, sequence_length: int) -> list[np.ndarray]:

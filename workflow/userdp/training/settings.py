@@ -19,7 +19,11 @@ threads, gpus (data-parallel ranks give the one-process result up to float
 summation order), physical_batch_size (micro-batching sums the same clipped
 per-unit gradients, only in another order; the ledger still records the
 value the run used), checkpoint_every (a resumed run continues the same RNG
-streams), log_every_s, learning_rates (the rate is the {lr} wildcard).
+streams), log_every_s, learning_rates (the rate is the {lr} wildcard),
+debug_step_log (an exception: it changes which train-log columns are
+written, not the model, so it is not in the fingerprint and a checkpoint
+resumes across it, but rule finetune carries it when on, so switching it
+reruns the runs: targets.finetune_params).
 device IS kept: the noise is drawn from a generator on that device and the
 CPU and CUDA generators give different streams, so a run on another device
 is another draw of the mechanism, not the same result with other rounding.
@@ -53,6 +57,7 @@ class TrainSettings:
     precision: str = "fp32"
     uls_examples_per_user: int | None = None
     log_every_s: float = 10.0
+    debug_step_log: bool = False  # training.debug_step_log: which train-log columns are written (step_log)
 
     @classmethod
     def from_config(cls, config: dict, learning_rate: float) -> "TrainSettings":
@@ -68,6 +73,7 @@ class TrainSettings:
             device=tr["device"],
             precision=tr["precision"],
             uls_examples_per_user=tr.get("uls_examples_per_user"),
+            debug_step_log=bool(tr.get("debug_step_log", False)),
         )
 
     def result_settings(self, device: str | None = None) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import layout
+from ..errors import ConfigError
 from ..layout import sorted_dict
+from ..privacy import seed_secrecy
 from .settings import RESULT_TRAINING_KEYS
 
 # The files rule `pretrain` writes (weights, config).
@@ -41,10 +43,21 @@ def train_targets(config: dict) -> list[str]:
     return out
 
 
+def public_tokens_path(config: dict) -> str:
+    """Path of the public tokens pretraining reads; ConfigError when there is no public corpus."""
+    from ..data.tokenize import public_dataset_name
+
+    name = public_dataset_name(config)
+    if name is None:
+        raise ConfigError(
+            "model.name is null (build and pretrain a small model) but no dataset has a public part; "
+            "set tokenizer.public_dataset to a dataset with public text, or set model.name to a pretrained model."
+        )
+    return layout.PUBLIC_TOKENS.format(dataset=name)
+
+
 def pretrain_inputs(config: dict) -> dict[str, str]:
     """Inputs of rule `pretrain`: the tokenizer, and the public tokens when there is pretraining to do."""
-    from .pretrain import public_tokens_path
-
     ins = {"tokenizer": layout.TOKENIZER}
     if not config["model"]["name"] and config["model"]["pretrain"]["steps"] > 0:
         ins["public"] = public_tokens_path(config)
@@ -93,19 +106,26 @@ def pretrain_params(config: dict) -> dict[str, Any]:
     })
 
 
-def finetune_params(config: dict) -> dict[str, Any]:
-    """Everything a fine-tuning run's result depends on besides its input files and wildcards.
+def finetune_params(config: dict, dataset: str) -> dict[str, Any]:
+    """Everything a fine-tuning run of `dataset` depends on besides its input files and wildcards.
 
     Rule `finetune`'s `settings` param (and `finetune_group`'s): what
     userdp.training.settings declares (the training.* keys in
     RESULT_TRAINING_KEYS, the sequence length, the config seed,
-    privacy.secret_seeds and the model spec).
+    privacy.secret_seeds as resolved for this dataset and the model spec),
+    plus `debug_step_log: true` only when training.debug_step_log is on (it
+    adds the per-step columns to train_log.parquet; switching it on or off
+    reruns the runs, while false and unset give the same params, so configs
+    written before the option existed rerun nothing).
     """
     tr = config["training"]
-    return sorted_dict({
+    out = {
         "training": {k: tr.get(k) for k in RESULT_TRAINING_KEYS},
         "sequence_length": int(config["tokenizer"]["sequence_length"]),
         "seed": int(config["seed"]),
-        "secret_seeds": bool(config["privacy"].get("secret_seeds", False)),
+        "secret_seeds": seed_secrecy.secret_seeds(config, dataset),
         "model": model_spec(config),
-    })
+    }
+    if tr.get("debug_step_log"):
+        out["debug_step_log"] = True
+    return sorted_dict(out)

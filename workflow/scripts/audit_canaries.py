@@ -1,0 +1,31 @@
+"""Snakemake script (rule audit_canaries): the canary users and the table the audit trains on."""
+
+import userdp.errors
+import userdp.logutil
+from userdp.data import canaries as canaries_lib
+from userdp.io import streaming_parquet, write_parquet
+from userdp.seeding import derive_seed
+
+log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+
+
+def main() -> None:
+    sm = snakemake  # noqa: F821
+    p = dict(sm.params.canaries)
+    spec = canaries_lib.CanarySpec(int(p["canaries"]), int(p["examples_per_canary"]), int(p["secret_length"]),
+                                   int(p["seed"]))
+    meta = canaries_lib.tokens_meta(streaming_parquet(sm.input.tokens).schema_arrow, str(sm.input.tokens))
+    table = canaries_lib.make_canaries(spec, meta, int(p["config_seed"]), sm.wildcards.dataset)
+    max_users = p["max_train_users"]
+    counts = canaries_lib.write_audit_tokens(
+        sm.input.tokens, table, sm.output.tokens, max_train_users=None if max_users is None else int(max_users),
+        seed=derive_seed(int(p["config_seed"]), sm.wildcards.dataset, int(p["seed"]), "audit-users"))
+    write_parquet(sm.output.canaries, table)
+    # No count of the dataset's train rows: with privacy.contribution_stats.private that total is an exact
+    # statistic of the train users' contributions (docs/privacy.md).
+    log.info("%d canaries (%d included, %d examples each): %d canary rows added to the train rows of %s train "
+             "users of %s", counts["canaries"], counts["canaries_included"], spec.examples_per_canary,
+             counts["canary_rows"], counts["dataset_train_users"] or "all", sm.input.tokens)
+
+
+userdp.errors.run_main(main, log)

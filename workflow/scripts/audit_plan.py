@@ -1,0 +1,48 @@
+"""Snakemake script (rule audit_plan): the plan of one audited cell, by the planner of the grid's cells.
+
+The counts are the rows per train user of the audit's training table (the
+dataset's train users plus the included canaries): the dataset the audited
+run trains on. delta is the grid cell's (privacy.delta, or the rule applied to
+the dataset's number of train users). The audited model is ONE run (at
+audit.learning_rate), released without a learning-rate selection, so it is
+calibrated as one run: its claimed epsilon is its ledger's, and with several
+training.learning_rates its sigma is below the grid cells' (each of those is
+calibrated for the k runs composed).
+"""
+
+import userdp.errors
+import userdp.io
+import userdp.logutil
+from userdp.layout import parse_num
+from userdp.privacy.contribution_stats import NoisyHistogram
+from userdp.evaluation.audit_targets import grid_delta
+from userdp.privacy.planner import plan_cell, read_train_token_counts
+
+log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+
+
+def main() -> None:
+    sm = snakemake  # noqa: F821
+    w = sm.wildcards
+    inputs = {k: str(v) for k, v in sm.input.items()}
+    counts = read_train_token_counts(inputs["tokens"])
+    # delta is the grid's: from the dataset's train users (a public size), not the audit's smaller table
+    privacy, delta_rule = grid_delta(dict(sm.params.privacy), userdp.io.read_json(inputs["contributions"]))
+    stats = None
+    if "contributions_dp" in inputs:
+        stats = NoisyHistogram.from_release(userdp.io.read_json(inputs["contributions_dp"]), inputs["contributions_dp"])
+    plan = plan_cell(
+        dataset=w.dataset, method=w.method, epsilon=parse_num(w.eps), compute_budget=int(w.budget),
+        steps=int(sm.params.steps), counts=counts, privacy=privacy,
+        reference_epsilon=sm.params.reference_epsilon, stats=stats,
+    )
+    plan["median_train"] = None
+    plan["delta_rule"] = delta_rule
+    plan["contribution_counts"] = ("audit tokens.parquet rows per train user (dataset train users plus included "
+                                   "canaries)")
+    userdp.io.write_json(sm.output[0], plan)
+    log.info("%s: G=%d (%s), q=%.5g, sigma=%.5g, eps achieved %s", sm.output[0], plan["group_size"],
+             plan["group_size_rule"], plan["sampling_rate"], plan["noise_multiplier"], plan["epsilon_achieved"])
+
+
+userdp.errors.run_main(main, log)

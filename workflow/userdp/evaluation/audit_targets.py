@@ -1,0 +1,119 @@
+"""Inputs, params and targets of the audit rules (workflow/rules/audit.smk), from the config.
+
+The audit trains each audited cell (userdp.layout.audit_cells) through the
+pipeline's own stages: the plan comes from userdp.privacy.planner.plan_cell
+with the plan rule's privacy params, the run from rule finetune's script and
+params (userdp.training.targets), on the dataset's train rows plus the
+included canaries (layout.AUDIT_TOKENS). Paths are layout's AUDIT_* templates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .. import layout
+from ..data.canaries import resolved_secret_length
+from ..layout import sorted_dict
+from ..privacy import targets as plan_targets
+from ..training import targets as train_targets
+
+
+def audited_datasets(config: Mapping) -> list[str]:
+    """The datasets with audited cells, in config order."""
+    return list(dict.fromkeys(c.dataset for c in layout.audit_cells(config)))
+
+
+def canary_params(config: Mapping) -> dict[str, Any]:
+    """What the canaries (and the audit's training table) depend on besides the dataset's tokens."""
+    a = config["audit"]
+    return sorted_dict({"canaries": a["canaries"], "examples_per_canary": a["examples_per_canary"],
+                        "secret_length": resolved_secret_length(config), "seed": a["seed"], "config_seed": config["seed"],
+                        "max_train_users": a["max_train_users"]})
+
+
+def plan_inputs(config: Mapping, dataset: str) -> dict[str, str]:
+    """The audit plan's inputs: the audit's training table (its counts), and the DP histogram when it is on."""
+    ins = {"tokens": layout.AUDIT_TOKENS.format(dataset=dataset),
+           "contributions": layout.CONTRIBUTIONS.format(dataset=dataset)}
+    if plan_targets.stats_private(config):
+        ins["contributions_dp"] = layout.CONTRIBUTIONS_DP.format(dataset=dataset)
+    return ins
+
+
+def grid_delta(privacy: dict, contributions: Mapping) -> tuple[dict, str]:
+    """`privacy` with the grid's delta set (privacy.delta, or its rule at the dataset's train users), and how.
+
+    The audit trains on a subset of the users (audit.max_train_users); the
+    default rule applied to that subset would give a larger delta than the
+    grid cell's, and the one-run bound's delta term grows with it.
+    """
+    from ..privacy.planner import resolve_delta
+
+    if privacy.get("delta") is not None:
+        return privacy, "privacy.delta"
+    n = int((contributions.get("n_users") or {}).get("train") or 0)
+    if n < 1:
+        raise ValueError("contributions.json has no train users (n_users.train); rebuild the data stage")
+    delta, rule = resolve_delta(privacy, n)
+    return {**privacy, "delta": delta}, f"{rule} with N = {n}, the dataset's train users (the grid cells' delta)"
+
+
+def plan_privacy(config: Mapping, method: str, eps: str) -> dict[str, Any]:
+    """The privacy params of an audit plan: those of the grid's plan rule for the same cell."""
+    return plan_targets.plan_privacy_params(config, method, eps)
+
+
+def reference_epsilon(config: Mapping, method: str, eps: str) -> float | None:
+    """For a non-private audited cell whose G comes from the SNR rule (or DP statistics): the largest audit epsilon."""
+    if eps != "inf" or plan_targets.reference_epsilon_param(config, method, eps) is None:
+        return None
+    finite = layout.audit_epsilons(config)
+    return max(finite) if finite else plan_targets.reference_epsilon_param(config, method, eps)
+
+
+def finetune_inputs(config: Mapping, wildcards: Any) -> dict[str, str]:
+    """Rule audit_finetune's inputs: the audit plan and training table, the tokenizer and the base model."""
+    w = {k: getattr(wildcards, k) for k in ("dataset", "method", "eps", "budget")}
+    ins = {"plan": layout.AUDIT_PLAN.format(**w), "tokens": layout.AUDIT_TOKENS.format(dataset=w["dataset"]),
+           "tokenizer": layout.TOKENIZER}
+    if not config["model"]["name"]:
+        ins["model"], ins["model_config"] = train_targets.PRETRAINED_FILES
+    return ins
+
+
+def run_dir(wildcards: Any, lr: str) -> str:
+    w = {k: getattr(wildcards, k) for k in ("dataset", "method", "eps", "budget", "seed")}
+    return layout.AUDIT_RUN_DIR.format(**w, lr=lr)
+
+
+def score_inputs(config: Mapping, wildcards: Any) -> dict[str, Any]:
+    """Rule audit_score's inputs: the audited model and ledger, the canaries, the reference model's files."""
+    folder = run_dir(wildcards, layout.fmt_num(layout.audit_learning_rate(config)))
+    ins: dict[str, Any] = {
+        "model": layout.model_files(f"{folder}/{layout.RUN_MODEL}"),
+        "ledger": f"{folder}/{layout.LEDGER}",
+        "canaries": layout.AUDIT_CANARIES.format(dataset=wildcards.dataset),
+    }
+    if not config["model"]["name"]:
+        ins["reference"] = layout.model_files(layout.PRETRAINED)
+    return ins
+
+
+def score_params(config: Mapping) -> dict[str, Any]:
+    """What an audit result depends on besides its input files: the bound's confidence and guess sets."""
+    a = config["audit"]
+    return sorted_dict({"confidence": a["confidence"], "guess_fractions": list(a["guess_fractions"])})
+
+
+def result_files(config: Mapping, dataset: str) -> list[str]:
+    """The audit result (JSON) of every audited cell of `dataset`."""
+    return [layout.AUDIT_RESULT.format(**layout.audit_wildcards(c, config)) for c in layout.audit_cells(config)
+            if c.dataset == dataset]
+
+
+def audit_targets(config: Mapping) -> list[str]:
+    """Per audited dataset: the summary, its CSV and the report table (rule `audit` adds the figure)."""
+    out = []
+    for d in audited_datasets(config):
+        out += [t.format(dataset=d) for t in (layout.AUDIT_SUMMARY, layout.AUDIT_SUMMARY_CSV, layout.AUDIT_TABLE)]
+    return out

@@ -1,0 +1,72 @@
+"""The membership-audit figure: empirical user-level epsilon lower bound vs claimed epsilon.
+
+Reads only the audit summary (userdp.evaluation.audit.summary_rows). Points
+on or below the y = x line agree with the claims; a private cell above it
+would contradict its guarantee. The non-private references (claimed
+epsilon = inf) sit at the right edge, on their own tick.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from .lm import SHORT, _method_order, _style  # noqa: E402
+
+EMPIRICAL_LABEL = "empirical user-level ε lower bound (95% confidence)"
+CLAIMED_LABEL = "claimed ε of the audited run (ledger)"
+
+
+def empirical_vs_claimed(summary: pd.DataFrame, dataset: str | None = None) -> Figure:
+    """Scatter of the audit's lower bound against the claimed epsilon, per method, with the y = x line."""
+    df = summary.copy()
+    claimed = df["epsilon_claimed"].astype(float).to_numpy()
+    finite = claimed[np.isfinite(claimed)]
+    top = max([1.0, *finite.tolist(), *df["epsilon_lower_bound"].astype(float).tolist()])
+    inf_x = top * 1.35  # where the non-private references are drawn
+    fig, ax = plt.subplots(figsize=(6.4, 5.0))
+    ax.plot([0, top * 1.1], [0, top * 1.1], color="0.4", linestyle=":", linewidth=1.2,
+            label="y = x (bound equals the claim)")
+    methods = _method_order(df["method"].unique())
+    for i, method in enumerate(methods):
+        sub = df[df["method"] == method]
+        st = _style(method)
+        # methods side by side around their claimed epsilon, so equal points stay visible
+        shift = (i - (len(methods) - 1) / 2) * 0.03 * inf_x
+        x = np.where(np.isinf(sub["epsilon_claimed"].astype(float)), inf_x, sub["epsilon_claimed"].astype(float))
+        x = x + shift
+        y = sub["epsilon_lower_bound"].astype(float).to_numpy()
+        aucs = ", ".join(f"{a:.2f}" for a in sub["likelihood_ratio_auc"].astype(float))
+        ax.scatter(x, y, color=st["color"], marker=st["marker"], s=60, zorder=3,
+                   label=f"{SHORT.get(method, method)} (likelihood-ratio AUC {aucs})")
+        for xi, yi in zip(x, y):
+            ax.annotate(f"{yi:.2f}", (xi, yi), textcoords="offset points", xytext=(-28 if i == 0 else 6, 4), fontsize=8,
+                        color=st["color"])
+    ceilings = df["epsilon_lower_bound_ceiling"].astype(float) if "epsilon_lower_bound_ceiling" in df else []
+    if len(ceilings) and np.isfinite(ceilings).any():
+        ceiling = float(np.nanmax(ceilings))
+        ax.axhline(ceiling, color="0.6", linestyle="--", linewidth=1,
+                   label=f"largest bound these canaries can show ({ceiling:.2f})")
+    ticks = sorted({float(f"{t:.3g}") for t in finite.tolist()})
+    has_inf = bool(np.isinf(claimed).any())
+    ax.set_xticks(ticks + ([inf_x] if has_inf else []))
+    ax.set_xticklabels([f"{t:g}" for t in ticks] + (["∞\n(non-private)"] if has_inf else []))
+    ax.set_xlim(0, inf_x * 1.12 if has_inf else top * 1.15)
+    ax.set_ylim(0, max(top * 1.15, float(np.nanmax(df["epsilon_lower_bound"].astype(float))) * 1.2 + 0.1))
+    ax.set_xlabel(CLAIMED_LABEL)
+    ax.set_ylabel(EMPIRICAL_LABEL)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    m = int(df["canaries"].iloc[0]) if len(df) else 0
+    title = f"{dataset}: " if dataset else ""
+    ax.set_title(f"{title}user-level membership audit ({m} canary users, one run per cell)", fontsize=10)
+    fig.text(0.01, -0.02, "A lower bound is evidence of leakage, not a proof of privacy (docs/privacy.md).",
+             fontsize=7, color="0.3")
+    fig.tight_layout()
+    return fig
