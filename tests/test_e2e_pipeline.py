@@ -150,3 +150,33 @@ def test_second_invocation_does_nothing(run):
     proc = snakemake(run, "-n")
     assert proc.returncode == 0
     assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_random_stopping_cell_in_a_real_run(run, tmp_path):
+    """privacy.selection.accounting: random_stopping through the real rules, on a copy of the run's outputs.
+
+    One private cell: its plan is redone for the selection, rule random_stopping trains a random number of
+    runs and releases the best into the cell folder (model included), with no lr~ folders and no state left.
+    """
+    import shutil
+
+    work = tmp_path / "rs"
+    shutil.copytree(run, work, symlinks=True)
+    cell = work / "results/runs/tiny/method~uls/eps~4/budget~960/seed~0"
+    shutil.rmtree(cell)
+    extra = tmp_path / "rs.yaml"
+    extra.write_text("privacy:\n  selection: {accounting: random_stopping, mean_runs: 2}\n"
+                     "training:\n  learning_rates: [0.003, 0.01]\n")
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(work),
+           "--configfile", str(CONFIG), str(extra), "--replace-workflow-config", "--cores", "2",
+           str(cell.relative_to(work) / "metrics.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "rule random_stopping" in proc.stdout + proc.stderr and "rule finetune:" not in proc.stdout + proc.stderr
+    ledger, metrics = load(cell / "ledger.json"), load(cell / "metrics.json")
+    assert ledger["selection"] == {"accounting": "random_stopping", "candidates": 2, "mean_runs": 2.0, "shape": 1.0}
+    assert ledger["epsilon"] <= 4 * 1.001 and ledger["epsilon_one_run"] < ledger["epsilon"]
+    assert len(metrics["learning_rate_sweep"]) == ledger["random_stopping"]["runs"] >= 1  # derived seeds: synthetic
+    assert metrics["learning_rate"] in (0.003, 0.01) and math.isfinite(metrics["test_loss"])
+    assert (cell / "model" / "model.safetensors").stat().st_size > 1000
+    assert sorted(p.name for p in cell.iterdir()) == ["ledger.json", "metrics.json", "model", "train_log.parquet"]

@@ -15,6 +15,7 @@ from functools import partial
 import userdp.evaluation.targets as eval_targets
 from userdp import layout
 from userdp.plotting.registry import figure_targets
+from userdp.training.targets import base_model, finetune_params
 
 evaluation_targets = partial(eval_targets.evaluation_targets, config)
 
@@ -91,7 +92,8 @@ rule select_lr:
         ledger=f"{layout.CELL_DIR}/{layout.LEDGER}",
         train_log=f"{layout.CELL_DIR}/{layout.TRAIN_LOG}",
     wildcard_constraints:
-        cell=layout.CELL_RE,
+        # every cell, or only the eps~inf references under random stopping (rule random_stopping below)
+        cell=eval_targets.select_lr_cells(config),
     params:
         learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
         # which train-log columns the cell releases (userdp.training.step_log)
@@ -106,6 +108,46 @@ rule select_lr:
         "../envs/userdp.yaml"
     script:
         "../scripts/select_lr.py"
+
+
+if eval_targets.random_stopping(config):
+
+    # privacy.selection.accounting: random_stopping. Each private cell is ONE job:
+    # a random number of runs (each with a random learning rate, its own samples
+    # and noise), each scored on validation users, the best released into the
+    # cell folder (its model in model/); the number of runs and the other runs
+    # are never written out (userdp.evaluation.random_stopping). Its runtime is
+    # that of several finetune jobs: `runtime` allows 3 x the mean number of
+    # runs; a job killed earlier resumes where it stopped.
+    rule random_stopping:
+        input:
+            unpack(lambda wc: eval_targets.random_stopping_inputs(config, wc.dataset, wc.cell)),
+        output:
+            metrics=f"{layout.CELL_DIR}/{layout.METRICS}",
+            ledger=f"{layout.CELL_DIR}/{layout.LEDGER}",
+            train_log=f"{layout.CELL_DIR}/{layout.TRAIN_LOG}",
+            model=f"{layout.CELL_DIR}/{layout.RUN_MODEL}/{layout.MODEL_WEIGHTS}",
+            model_config=f"{layout.CELL_DIR}/{layout.RUN_MODEL}/{layout.MODEL_CONFIG}",
+        wildcard_constraints:
+            cell=layout.PRIVATE_CELL_RE,
+        params:
+            model=base_model(config),
+            settings=lambda wc: finetune_params(config, wc.dataset),
+            learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
+            debug_step_log=bool(config["training"]["debug_step_log"]),
+            **_EVAL_PARAMS,
+        log:
+            layout.LOG_RANDOM_STOPPING,
+        threads: config["training"]["threads"]
+        resources:
+            mem_mb=max(config["resources"]["finetune_mem_mb"], config["evaluation"]["mem_mb"]),
+            runtime=eval_targets.random_stopping_runtime(config),
+            gpu=config["training"]["gpus"],
+            cpus_per_gpu=config["training"]["threads"],
+        conda:
+            "../envs/userdp.yaml"
+        script:
+            "../scripts/random_stopping.py"
 
 
 rule aggregate:

@@ -60,9 +60,9 @@ def template_regex(template: str, **wildcard_res: str) -> str:
     return "".join(parts)
 
 
-def _unnamed(template: str) -> str:
+def _unnamed(template: str, **wildcard_res: str) -> str:
     """template_regex without group names (to embed in a wildcard constraint)."""
-    return re.sub(r"\(\?P<[a-z_]+>", "(?:", template_regex(template))
+    return re.sub(r"\(\?P<[a-z_]+>", "(?:", template_regex(template, **wildcard_res))
 
 
 # ---------------------------------------------------------------- path templates
@@ -103,7 +103,16 @@ PRETRAINED = "results/model/pretrained"
 RUNS = "results/runs/{dataset}"
 CELL = _SETTING + "/" + _SEED
 GROUP_CELL = _SETTING + "/" + _GROUP + "/" + _SEED
-CELL_RE = _unnamed(_SETTING) + "(?:/" + _unnamed(_GROUP) + ")?/" + _unnamed(_SEED)
+
+
+def _cell_re(eps: str) -> str:
+    return _unnamed(_SETTING, eps=eps) + "(?:/" + _unnamed(_GROUP) + ")?/" + _unnamed(_SEED)
+
+
+CELL_RE = _cell_re(EPS_RE)
+# The private cells (finite epsilon) and the non-private references (eps~inf): under random stopping
+# (privacy.selection) the former are rule random_stopping's, the latter select_lr's.
+PRIVATE_CELL_RE, NON_PRIVATE_CELL_RE = _cell_re(NUMBER_RE), _cell_re("inf")
 CELL_DIR = RUNS + "/{cell}"
 RUN_DIR = CELL_DIR + "/" + _LR
 # RUN_DIR with the cell's own wildcards (rules finetune and finetune_group).
@@ -113,7 +122,7 @@ FINETUNE_GROUP_RUN_DIR = RUN_DIR.replace("{cell}", GROUP_CELL)
 # learning rate's ledger and train log are copied up next to metrics.json.
 LEDGER = "ledger.json"
 TRAIN_LOG = "train_log.parquet"
-RUN_MODEL = "model"  # the fine-tuned model's folder in a run folder
+RUN_MODEL = "model"  # the fine-tuned model's folder in a run folder (and a random-stopping cell's released model)
 EVAL = "eval.json"
 METRICS = "metrics.json"
 PRETRAINED_METRICS = RUNS + "/pretrained/" + METRICS
@@ -162,6 +171,7 @@ LOG_FINETUNE_GROUP = LOGS + "/finetune/{dataset}/" + GROUP_CELL + "/" + _LR + ".
 LOG_EVALUATE = LOGS + "/evaluate/{dataset}/{cell}/" + _LR + ".log"
 LOG_EVALUATE_PRETRAINED = LOGS + "/evaluate/{dataset}/pretrained.log"
 LOG_SELECT_LR = LOGS + "/select_lr/{dataset}/{cell}.log"
+LOG_RANDOM_STOPPING = LOGS + "/random_stopping/{dataset}/{cell}.log"
 LOG_AGGREGATE = LOGS + "/aggregate/{dataset}.log"
 LOG_MEAN_ESTIMATION_CALIBRATION = LOGS + "/mean_estimation/calibration.log"
 LOG_MEAN_ESTIMATION = LOGS + "/mean_estimation/run.log"

@@ -6,6 +6,7 @@ asks for that) and so the lists can be unit-tested.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from .. import layout
@@ -60,3 +61,48 @@ def evaluation_targets(config: dict) -> list[str]:
         out += [t.format(dataset=name)
                 for t in (layout.PRETRAINED_METRICS, layout.SUMMARY, layout.SUMMARY_CSV, layout.TRAIN_CURVES)]
     return out
+
+
+def random_stopping(config: Mapping) -> bool:
+    """Whether private cells select by random stopping (privacy.selection.accounting: random_stopping)."""
+    from ..privacy.selection import mode_of
+
+    return mode_of(config) == "random_stopping"
+
+
+def select_lr_cells(config: Mapping) -> str:
+    """Rule select_lr's `{cell}` constraint: every cell, or only eps~inf ones under random stopping.
+
+    Under random stopping each private cell is rule random_stopping's (one job: a random number of runs,
+    the best released, userdp.evaluation.random_stopping); the non-private references keep the sweep.
+    """
+    return layout.NON_PRIVATE_CELL_RE if random_stopping(config) else layout.CELL_RE
+
+
+def random_stopping_inputs(config: dict, dataset: str, cell: str) -> dict[str, str]:
+    """Inputs of rule random_stopping for one cell: its plan, tokens, tokenizer and base model (as finetune's)."""
+    from ..training.targets import finetune_inputs
+
+    c = layout.cell_of_dir(layout.CELL_DIR.format(dataset=dataset, cell=cell), config)
+    wildcards = {"dataset": dataset, "method": c.method, "eps": c.eps_text, "budget": c.compute,
+                 "group": c.group_size}
+    return finetune_inputs(config, _Wildcards(wildcards))
+
+
+class _Wildcards(dict):
+    """A dict readable like Snakemake's wildcards (attributes and .get)."""
+
+    __getattr__ = dict.__getitem__
+
+
+def random_stopping_runtime(config: Mapping) -> int:
+    """Minutes for one random-stopping job: 3 x the mean number of runs, each a finetune and an evaluation.
+
+    K exceeds 3 x its mean with probability about exp(-3) (geometric); such a job is killed at its runtime
+    and resumes where it stopped when rerun.
+    """
+    from ..privacy.selection import Selection
+
+    sel = Selection.from_config(config["privacy"], config["training"]["learning_rates"])
+    runs = math.ceil(3 * float(sel.mean_runs or 1))
+    return int(runs * (int(config["resources"]["finetune_runtime"]) + int(config["evaluation"]["runtime"])))

@@ -14,13 +14,16 @@ accountings, `privacy.selection.accounting`:
   and it is what ledgers, summaries and figures report as `epsilon`.
 * ``random_stopping``: private selection (Papernot & Steinke 2022): the
   number of runs K is random (truncated negative binomial with mean
-  `mean_runs` and shape `shape`: 1 geometric, 0 logarithmic, .inf Poisson),
+  `mean_runs` and shape `shape`: 1 geometric, 0 logarithmic),
   each run draws its learning rate uniformly from the candidates, and the
   best is released. Accounted in RDP with dp-accounting's
   `RepeatAndSelectDpEvent` (`rdp`, whose `RandomStopping` is the run's
   mechanism seen through the selection); each run is calibrated so that the
   selection meets the target. Better than composition for larger sweeps
-  (its cost grows with log E[K], composition's with k).
+  (its cost grows with log E[K], composition's with k). K is drawn by
+  `draw_runs` with dp-accounting's own gamma for (mean, shape), so the
+  number of runs that runs is the one the accountant assumes; the pipeline's
+  job is userdp.evaluation.random_stopping.
 
 `Selection` is built once from the config (`from_config`) and carried by the
 planner (calibration target), the SNR rule (each candidate's sigma) and the
@@ -30,8 +33,9 @@ ledger of the released model (`released_epsilon`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import ConfigError, PrivacyError
 
@@ -50,6 +54,20 @@ MEANING = {
     "random_stopping": "released model: private selection among a random number of runs (mean {mean:g}, "
                        "Papernot-Steinke RDP bound)",
 }
+
+
+def mode_of(config: Mapping[str, Any]) -> str:
+    """privacy.selection.accounting of a validated config (no accountant imported: rule files call it)."""
+    return (config["privacy"].get("selection") or {}).get("accounting", "composed")
+
+
+def one_job(config: Mapping[str, Any], epsilon: float) -> bool:
+    """Whether a cell at `epsilon` is selected by one random-stopping job instead of a run per learning rate.
+
+    Under random_stopping the private cells are (userdp.evaluation.random_stopping); the eps = inf
+    references keep the learning-rate sweep (no privacy to account for).
+    """
+    return mode_of(config) == "random_stopping" and math.isfinite(float(epsilon))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +176,52 @@ class Selection:
         from .rdp import RandomStopping
 
         return RandomStopping(mech.sampling_rate, mech.steps, mech.group_size, base=mech, selection=self)
+
+    # ------------------------------------------------------------ the number of runs (random stopping)
+
+    def _gamma(self) -> float:
+        """The truncated negative binomial's gamma for `mean_runs` and `shape`: dp-accounting's own.
+
+        The RDP accountant derives gamma from (mean, shape) for `RepeatAndSelectDpEvent`; drawing K with that
+        same gamma makes the number of runs that runs the one the accountant assumes.
+        """
+        if self.mode != "random_stopping":
+            raise PrivacyError(f"the number of runs is random only under random_stopping, not {self.mode}.")
+        from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+        return float(rdp_lib._gamma_truncated_negative_binomial(float(self.shape), float(self.mean_runs)))
+
+    def _pmf(self) -> Iterator[float]:
+        """P[K = 1], P[K = 2], ... of the number of runs (Papernot & Steinke 2022, section 2), without end."""
+        gamma, shape = self._gamma(), float(self.shape)
+        if gamma >= 1.0:  # mean 1: exactly one run
+            yield 1.0
+            while True:
+                yield 0.0
+        if shape == 0.0:  # logarithmic: (1 - gamma)^k / (k log(1 / gamma))
+            p = (1 - gamma) / math.log(1 / gamma)
+        else:  # (1 - gamma)^k / (gamma^-shape - 1) * prod_{l<k} (l + shape) / (l + 1), at k = 1
+            p = (1 - gamma) * shape / (gamma ** -shape - 1)
+        k = 1
+        while True:
+            yield p
+            p *= (1 - gamma) * (k + shape) / (k + 1)  # P[K = k + 1] / P[K = k]
+            k += 1
+
+    def run_probabilities(self, up_to: int) -> list[float]:
+        """P[K = k] for k = 1..up_to of the number of runs K."""
+        return list(itertools.islice(self._pmf(), int(up_to)))
+
+    def draw_runs(self, uniform: float) -> int:
+        """The number of runs K for a uniform draw in [0, 1) (inverse CDF of `run_probabilities`)."""
+        if not 0.0 <= uniform < 1.0:
+            raise ValueError(f"uniform must be in [0, 1), got {uniform}")
+        cdf = 0.0
+        for k, p in enumerate(self._pmf(), start=1):
+            cdf += p
+            if cdf > uniform or p == 0.0:
+                return k
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def released_epsilon(self, mech: Mechanism, noise_multiplier: float, delta: float,
                          extra_events: Iterable[dp_accounting.DpEvent] = (),

@@ -101,7 +101,8 @@ class TrainOutcome:
 
 
 def run_seeds(config_seed: int, run_seed: int, dataset: str, method: str, eps: str, budget: int | str,
-              group_size: int, learning_rate: float | None = None, secret: bool = False) -> dict[str, Any]:
+              group_size: int, learning_rate: float | None = None, secret: bool = False,
+              trial: int | None = None) -> dict[str, Any]:
     """Seeds of a run, derived from the config seed, the cell and its learning rate.
 
     The learning rate IS part of the seeds: runs of a learning-rate sweep that
@@ -115,10 +116,17 @@ def run_seeds(config_seed: int, run_seed: int, dataset: str, method: str, eps: s
     training starts (`privacy.secret_seeds`): with seeds derived from the
     config, anyone who has the config can regenerate the Poisson samples and
     the noise of a released model, which voids the guarantee.
+
+    trial: the run's index among a random-stopping cell's runs
+    (privacy.selection.accounting: random_stopping), which may draw the same
+    learning rate twice; each run is an independent mechanism, so the index
+    is part of its seeds.
     """
     cell = (int(config_seed), dataset, method, eps, int(budget), int(group_size), int(run_seed))
     if learning_rate is not None:
         cell = cell + (fmt_num(float(learning_rate)),)
+    if trial is not None:
+        cell = cell + ("trial", int(trial))
     return {
         "config": int(config_seed),
         "run": int(run_seed),

@@ -53,6 +53,7 @@ class FinetuneJob:
     seed: int
     threads: int = 1
     log: str | None = None   # the rule's log file
+    trial: int | None = None  # the run's index in a random-stopping cell (part of its seeds), else None
 
 
 def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> engine.TrainOutcome:
@@ -75,7 +76,8 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
         )
     settings = TrainSettings.from_config(config, float(job.learning_rate))
     seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G,
-                             float(job.learning_rate), secret=seed_secrecy.secret_seeds(config, job.dataset))
+                             float(job.learning_rate), secret=seed_secrecy.secret_seeds(config, job.dataset),
+                             trial=job.trial)
     outcome = engine.train(model, train_pool, plan, settings, engine.RunPaths(job.run_dir), seeds, pad_id, dist=dist)
     if not outcome.complete:
         raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{plan['steps']}")

@@ -12,6 +12,7 @@ from .. import layout
 from ..errors import ConfigError
 from ..layout import sorted_dict
 from ..privacy import seed_secrecy
+from ..privacy.selection import one_job
 from .settings import RESULT_TRAINING_KEYS
 
 # The files rule `pretrain` writes (weights, config).
@@ -31,13 +32,24 @@ def run_outputs(run_dir: str) -> dict[str, str]:
 
 
 def run_dirs(config: dict) -> list[str]:
-    """Every run folder: each grid cell (userdp.layout.iter_cells) x training.learning_rates."""
-    return [cell.lr_dir(lr) for cell in layout.iter_cells(config) for lr in config["training"]["learning_rates"]]
+    """Every run folder: each grid cell (userdp.layout.iter_cells) x training.learning_rates.
+
+    Under random stopping (privacy.selection) a private cell has no run folder per learning rate: one
+    job trains its runs out of sight and releases the best into the cell folder (`released_models`).
+    """
+    return [cell.lr_dir(lr) for cell in layout.iter_cells(config) if not one_job(config, cell.epsilon)
+            for lr in config["training"]["learning_rates"]]
+
+
+def released_models(config: dict) -> list[str]:
+    """The model files of the cells selected by random stopping (their RUN_MODEL in the cell folder)."""
+    return [path for cell in layout.iter_cells(config) if one_job(config, cell.epsilon)
+            for path in layout.model_files(f"{cell.run_dir}/{layout.RUN_MODEL}")]
 
 
 def train_targets(config: dict) -> list[str]:
     """The files rule `finetune` writes for every run (plus the pretrained model if it is built)."""
-    out = [path for d in run_dirs(config) for path in run_outputs(d).values()]
+    out = [path for d in run_dirs(config) for path in run_outputs(d).values()] + released_models(config)
     if not config["model"]["name"]:
         out += list(PRETRAINED_FILES)
     return out
