@@ -13,11 +13,12 @@ report: "workflow/report/workflow.rst"
 
 
 # Our validation first (messages name the key and the allowed values), then
-# Snakemake's own validation of the same schema.
+# Snakemake's own validation of the same schema (defaults are ours: snakemake's default filling
+# fails on nullable objects such as model.lora).
 include: "workflow/rules/common.smk"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
+validate(config, "workflow/schemas/config.schema.yaml", set_default=False)  # ours filled the defaults
 
 
 include: "workflow/rules/data.smk"

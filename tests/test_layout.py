@@ -47,7 +47,7 @@ def test_rule_finetune_reads_the_plan_of_its_cell_and_writes_into_its_run_dir():
         wc = SimpleNamespace(dataset=cell.dataset, method=cell.method, eps=cell.eps_text, budget=str(cell.compute),
                              seed=str(cell.seed), lr="0.001", group=None if cell.group_size is None else str(cell.group_size))
         assert finetune_inputs(cfg, wc)["plan"] == cell.plan_path
-        assert run_outputs(cell.lr_dir(0.001))["ledger"] == f"{cell.run_dir}/lr~0.001/ledger.json"
+        assert run_outputs(cell.lr_dir(0.001), cfg)["ledger"] == f"{cell.run_dir}/lr~0.001/ledger.json"
 
 
 def test_data_templates():

@@ -65,7 +65,7 @@ use rule finetune as audit_finetune with:
     input:
         unpack(lambda wildcards: audit_lib.finetune_inputs(config, wildcards)),
     output:
-        **run_outputs(layout.AUDIT_RUN_DIR),
+        **run_outputs(layout.AUDIT_RUN_DIR, config),
     wildcard_constraints:
         budget=str(_AUDIT_BUDGET),
     log:

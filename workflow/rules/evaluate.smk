@@ -33,7 +33,7 @@ _EVAL_PARAMS = dict(
 
 rule evaluate:
     input:
-        model=lambda wc: eval_targets.run_model_files(wc.dataset, wc.cell, wc.lr),
+        model=lambda wc: eval_targets.run_model_files(config, wc.dataset, wc.cell, wc.lr),
         tokens=layout.TOKENS,
     output:
         f"{layout.RUN_DIR}/{layout.EVAL}",
@@ -126,8 +126,7 @@ if eval_targets.random_stopping(config):
             metrics=f"{layout.CELL_DIR}/{layout.METRICS}",
             ledger=f"{layout.CELL_DIR}/{layout.LEDGER}",
             train_log=f"{layout.CELL_DIR}/{layout.TRAIN_LOG}",
-            model=f"{layout.CELL_DIR}/{layout.RUN_MODEL}/{layout.MODEL_WEIGHTS}",
-            model_config=f"{layout.CELL_DIR}/{layout.RUN_MODEL}/{layout.MODEL_CONFIG}",
+            **eval_targets.released_model_outputs(config),
         wildcard_constraints:
             cell=layout.PRIVATE_CELL_RE,
         params:

@@ -48,7 +48,7 @@ rule finetune:
     input:
         unpack(lambda wildcards: finetune_inputs(config, wildcards)),
     output:
-        **run_outputs(layout.FINETUNE_RUN_DIR),
+        **run_outputs(layout.FINETUNE_RUN_DIR, config),
     params:
         lr=lambda wildcards: float(wildcards.lr),
         model=base_model(config),
@@ -72,6 +72,6 @@ rule finetune:
 
 use rule finetune as finetune_group with:
     output:
-        **run_outputs(layout.FINETUNE_GROUP_RUN_DIR),
+        **run_outputs(layout.FINETUNE_GROUP_RUN_DIR, config),
     log:
         layout.LOG_FINETUNE_GROUP,

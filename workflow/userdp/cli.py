@@ -3,6 +3,7 @@
     userdp epsilon   --method els --noise-multiplier 1.1 --sampling-rate 0.01 --steps 1000 --group-size 8 --delta 1e-6
     userdp calibrate --method els --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --group-size 8
     userdp calibrate --method uls --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --selection composed --runs 3
+    userdp export-merged RUN_FOLDER/model merged/   (a LoRA run's adapter merged into its base model)
 
 --selection says what the epsilon is of: one run (default), the released
 model chosen among --runs learning-rate runs composed (the pipeline's
@@ -122,7 +123,31 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--epsilon", required=True, type=_positive_float("epsilon", allow_inf=True), help="target epsilon > 0 (inf: no noise)")
     c.add_argument("--tolerance", type=_positive_float("tolerance"), default=1e-3, help="relative tolerance in sigma (default 1e-3)")
     c.add_argument("--max-noise-multiplier", type=_positive_float("max noise multiplier"), default=500.0, help="give up above this sigma (default 500)")
+    x = sub.add_parser("export-merged", help="merge a run's LoRA adapter (model.lora) into its base model and save it")
+    x.add_argument("adapter", help="a run's model/ folder holding peft's adapter_config.json")
+    x.add_argument("out", help="the folder to write the merged model to (must not exist yet)")
     return p
+
+
+def _export_merged(args: argparse.Namespace) -> int:
+    """Load the adapter on its base, merge, save_pretrained into a new folder."""
+    from pathlib import Path
+
+    from .errors import DataError
+    from .training import models
+
+    try:
+        if not models.is_adapter(args.adapter):
+            raise UserError(f"{args.adapter} holds no LoRA adapter (no adapter_config.json); give a run's model/ "
+                            "folder trained with model.lora (a full fine-tuning run's model/ is already merged).")
+        if Path(args.out).exists():
+            raise UserError(f"{args.out} exists; give a new folder (nothing is overwritten).")
+        models.save_model_atomic(models.load_model(args.adapter, merge=True), args.out)
+    except (UserError, DataError) as exc:
+        print(f"userdp export-merged: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"merged model written to {args.out}")
+    return 0
 
 
 def _emit(record: dict, as_json: bool, text: str) -> None:
@@ -135,6 +160,8 @@ def _emit(record: dict, as_json: bool, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 invalid arguments or infeasible target)."""
     args = build_parser().parse_args(argv)
+    if args.command == "export-merged":
+        return _export_merged(args)
     from .privacy import mechanism
     from .privacy.calibration import calibrate
 

@@ -96,6 +96,11 @@ ACCOUNTING_COMPARISON = "results/accounting/comparison.parquet"
 MODEL_CONFIG = "config.json"
 MODEL_WEIGHTS = "model.safetensors"
 MODEL_FILES = (MODEL_CONFIG, MODEL_WEIGHTS)
+# A fine-tuned run with model.lora saves only its adapter (peft's save_pretrained); the base is model.name or
+# PRETRAINED, named in the adapter config.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 PRETRAINED = "results/model/pretrained"
 
 # Runs: a grid cell's folder is RUNS/{cell}, {cell} being CELL or GROUP_CELL
@@ -182,9 +187,9 @@ LOG_AUDIT_SCORE = LOGS + "/audit/{dataset}/score/" + CELL + ".log"
 LOG_AUDIT_SUMMARY = LOGS + "/audit/{dataset}/summary.log"
 
 
-def model_files(folder: str) -> list[str]:
-    """The files of a saved model folder (MODEL_FILES), in that order."""
-    return [f"{folder}/{name}" for name in MODEL_FILES]
+def model_files(folder: str, adapter: bool = False) -> list[str]:
+    """The files of a saved model folder (MODEL_FILES), or of a saved LoRA adapter (ADAPTER_FILES), in that order."""
+    return [f"{folder}/{name}" for name in (ADAPTER_FILES if adapter else MODEL_FILES)]
 
 
 # ---------------------------------------------------------------- numbers in paths

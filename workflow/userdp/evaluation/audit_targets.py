@@ -90,7 +90,7 @@ def score_inputs(config: Mapping, wildcards: Any) -> dict[str, Any]:
     """Rule audit_score's inputs: the audited model and ledger, the canaries, the reference model's files."""
     folder = run_dir(wildcards, layout.fmt_num(layout.audit_learning_rate(config)))
     ins: dict[str, Any] = {
-        "model": layout.model_files(f"{folder}/{layout.RUN_MODEL}"),
+        "model": train_targets.run_model_files(f"{folder}/{layout.RUN_MODEL}", config),
         "ledger": f"{folder}/{layout.LEDGER}",
         "canaries": layout.AUDIT_CANARIES.format(dataset=wildcards.dataset),
     }

@@ -22,9 +22,11 @@ def run_file(dataset: str, cell: str, lr: str, name: str) -> str:
     return f"{layout.RUN_DIR.format(dataset=dataset, cell=cell, lr=lr)}/{name}"
 
 
-def run_model_files(dataset: str, cell: str, lr: str) -> list[str]:
-    """The fine-tuned model files the training rule writes for one learning rate."""
-    return layout.model_files(run_file(dataset, cell, lr, layout.RUN_MODEL))
+def run_model_files(config: Mapping, dataset: str, cell: str, lr: str) -> list[str]:
+    """The fine-tuned model files (or LoRA adapter files) the training rule writes for one learning rate."""
+    from ..training.targets import run_model_files as model_folder_files
+
+    return model_folder_files(run_file(dataset, cell, lr, layout.RUN_MODEL), config)
 
 
 def lr_run_files(config: Mapping, dataset: str, cell: str, name: str) -> list[str]:
@@ -106,3 +108,11 @@ def random_stopping_runtime(config: Mapping) -> int:
     sel = Selection.from_config(config["privacy"], config["training"]["learning_rates"])
     runs = math.ceil(3 * float(sel.mean_runs or 1))
     return int(runs * (int(config["resources"]["finetune_runtime"]) + int(config["evaluation"]["runtime"])))
+
+
+def released_model_outputs(config: Mapping) -> dict[str, str]:
+    """Rule random_stopping's model outputs: the released model's (or adapter's) files in the cell folder."""
+    from ..training.targets import run_outputs
+
+    outs = run_outputs(layout.CELL_DIR, config)
+    return {"model": outs["model"], "model_config": outs["model_config"]}

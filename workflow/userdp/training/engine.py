@@ -404,9 +404,25 @@ class RunState:
         self.rows: list[dict[str, Any]] = []
         self.resumed_at: list[int] = []
 
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state in the checkpoint: all of it, or only the trainable tensors when part of the model
+        is frozen (LoRA: the adapters, not a copy of the base at every checkpoint)."""
+        if all(p.requires_grad for p in self.model.parameters()):
+            return self.model.state_dict()
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        if set(state) == trainable and len(trainable) < len(list(self.model.parameters())):
+            result = self.model.load_state_dict(state, strict=False)
+            if result.unexpected_keys:  # pragma: no cover - the key sets were compared above
+                raise ValueError(f"checkpoint has unknown model tensors {result.unexpected_keys[:5]}")
+            return
+        self.model.load_state_dict(state)
+
     def state_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "step": self.step, "model": self._model_state(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
             "noise": self.noise.state_dict(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -416,7 +432,7 @@ class RunState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a saved run (its resumption step is added to resumed_at)."""
-        self.model.load_state_dict(state["model"])
+        self._load_model_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
@@ -563,7 +579,10 @@ def train(
         observed: dict[str, Any] | None = None if observe is None else {}
         sel, sums = dp_step(observed)
         norms = dp_step.update_norms()  # before the optimizer step, which may touch p.grad
+        before = _fingerprints(run.params) if done_now == 0 else None
         row = run.record(sel, sums, run.update(), time.monotonic() - t0, norms)
+        if before is not None:
+            _check_moved(run.params, before, run.step)
         done_now += 1
         if on_step is not None:
             on_step(run.step, row)
@@ -581,6 +600,36 @@ def train(
         log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", run.step, mech.steps)
         return TrainOutcome(False, run.step, None, run.frame())
     return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon, dp_step.expected)
+
+
+def _adapter_record(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The LoRA adapter's settings (peft's config) of a PeftModel, None for full fine-tuning."""
+    cfg = getattr(model, "peft_config", None)
+    if not cfg:
+        return None
+    c = cfg["default"]
+    return {"type": "lora", "r": int(c.r), "alpha": float(c.lora_alpha), "dropout": float(c.lora_dropout),
+            "target_modules": sorted({t.rsplit(".", 1)[-1] for t in c.target_modules}),
+            "base_model": c.base_model_name_or_path}
+
+
+@torch.no_grad()
+def _fingerprints(params: list[torch.Tensor]) -> torch.Tensor:
+    """Two float64 sums per parameter (of x and of x^2): they change when the parameter does."""
+    return torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]).cpu() for p in params])
+
+
+def _check_moved(params: list[torch.Tensor], before: torch.Tensor, step: int) -> None:
+    """Fail loudly when the first update of this invocation changed no trainable parameter.
+
+    An update that moves nothing (e.g. adapters detached from the graph, a zero learning rate) would train for
+    hours and release the base model; the noise alone moves every parameter of a private run.
+    """
+    moved = (_fingerprints(params) != before).any(dim=1)
+    if not bool(moved.any()):
+        raise RuntimeError(f"step {step}: the update changed none of the {len(params)} trainable parameters "
+                           "(no gradient reached them, or the learning rate is 0); check model.lora and "
+                           "training.learning_rates.")
 
 
 def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings, paths: RunPaths,
@@ -611,6 +660,9 @@ def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: T
     ledger["device"] = str(device)
     ledger["precision"] = settings.precision if device.type == "cuda" else "fp32"
     ledger["processes"] = dist.world_size if dist is not None else 1
+    # What trained: every parameter, or LoRA adapters (noise and clipping cover exactly these coordinates).
+    ledger["trainable_parameters"] = sum(p.numel() for p in run.params)
+    ledger["adapter"] = _adapter_record(run.model)
     # Units dropped for a NaN/inf gradient (they contributed zero: clipping.py). A noise-free count of the
     # sampled users' data, so like the per-step log it is released only with training.debug_step_log.
     dropped = sum(int(r.get("nonfinite_units", 0)) for r in run.rows)

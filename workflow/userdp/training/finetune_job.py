@@ -74,6 +74,8 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
             f"model {job.model} has {vocab} token embeddings but the tokenizer in results/tokenizer has "
             f"{len(tokenizer)} tokens; set tokenizer.name to the model's own tokenizer (model.name {job.model!r})."
         )
+    # LoRA (model.lora): adapters on the base, only they trainable; their init is public (lora_B = 0).
+    model = models.apply_lora(model, config["model"].get("lora"), derive_seed(config["seed"], "lora_init"))
     settings = TrainSettings.from_config(config, float(job.learning_rate))
     seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G,
                              float(job.learning_rate), secret=seed_secrecy.secret_seeds(config, job.dataset),

@@ -34,7 +34,7 @@ def library_versions() -> dict[str, str]:
     """Versions of the libraries that determine the mechanism and the model."""
     out = {"python": platform.python_version()}
     for dist, key in (("torch", "torch"), ("transformers", "transformers"), ("dp-accounting", "dp_accounting"),
-                      ("userdp", "userdp"), ("numpy", "numpy")):
+                      ("userdp", "userdp"), ("numpy", "numpy"), ("peft", "peft")):
         try:
             out[key] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -73,18 +73,71 @@ def build_model(model_cfg: dict[str, Any], vocab_size: int, sequence_length: int
     return model
 
 
+def lora_config(lora: dict[str, Any], fan_in_fan_out: bool = False):
+    """peft's LoraConfig of `model.lora` (target_modules null = every linear layer but the output layer).
+
+    fan_in_fan_out: the targets store W as [in, out] (GPT-2's Conv1D).
+    """
+    from peft import LoraConfig
+
+    targets = lora.get("target_modules") or "all-linear"
+    return LoraConfig(r=int(lora["r"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
+
+
+def apply_lora(model: torch.nn.Module, lora: dict[str, Any] | None, seed: int) -> torch.nn.Module:
+    """`model` with LoRA adapters of `model.lora` (peft), only they trainable; `model` itself when lora is None.
+
+    The adapters are initialised from `seed` (lora_A random, lora_B zero: the start is the base model).
+    """
+    if not lora:
+        return model
+    from peft import get_peft_model
+
+    from transformers.pytorch_utils import Conv1D
+
+    cfg = lora_config(lora, fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()))
+    torch.manual_seed(int(seed))
+    try:
+        peft_model = get_peft_model(model, cfg)
+    except ValueError as exc:
+        raise ConfigError(f"model.lora.target_modules {lora.get('target_modules')!r} does not fit "
+                          f"{type(model).__name__}: {exc}. Name modules of the model (e.g. q_proj, v_proj) "
+                          "or leave it null for every linear layer.") from exc
+    n_train = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    if n_train == 0:
+        raise ConfigError(f"model.lora.target_modules {lora.get('target_modules')!r} matched no module of "
+                          f"{type(model).__name__}: nothing would train.")
+    log.info("LoRA r=%s alpha=%s on %s: %d trainable parameters of %d", lora["r"], lora["alpha"],
+             sorted(peft_model.peft_config["default"].target_modules), n_train,
+             sum(p.numel() for p in peft_model.parameters()))
+    return peft_model
+
+
+def is_adapter(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a saved LoRA adapter (peft) rather than a whole model."""
+    from ..layout import ADAPTER_CONFIG
+
+    return (Path(folder) / ADAPTER_CONFIG).exists()
+
+
 def load_model(name_or_path: str | os.PathLike, device: torch.device | str = "cpu", *,
-               local: bool = False) -> torch.nn.Module:
+               local: bool = False, merge: bool = True) -> torch.nn.Module:
     """Load a causal LM in fp32 (weights stay fp32; bf16 is autocast only), in train mode.
 
     The one model loader of the package (fine-tuning, pretraining with
     model.name, evaluation). `name_or_path` is a Hugging Face hub id or a
     folder; with `local=True` it must be a folder written by save_pretrained
-    (a pipeline artifact: a run's model/ or the pretrained model).
+    (a pipeline artifact: a run's model/ or the pretrained model). A folder
+    with a LoRA adapter is loaded on its base model (the one its adapter
+    config names) and, with `merge`, merged into it (the same function as
+    base + adapter, evaluated at the base model's speed).
     """
     from transformers import AutoModelForCausalLM
 
     text = str(name_or_path)
+    if is_adapter(text):
+        return _load_adapter(text, device, merge)
     if local and not (Path(text) / "config.json").exists():
         raise DataError(
             f"model folder {text} has no config.json; the training (or pretraining) rule should have "
@@ -99,6 +152,23 @@ def load_model(name_or_path: str | os.PathLike, device: torch.device | str = "cp
                                                      dtype=torch.float32)
     except OSError as exc:
         raise DataError(f"cannot load a causal LM from {name_or_path}: {exc}") from exc
+    return model.to(device)
+
+
+def _load_adapter(folder: str, device: torch.device | str, merge: bool) -> torch.nn.Module:
+    from peft import PeftConfig, PeftModel
+
+    base_name = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    if not base_name:
+        raise DataError(f"the LoRA adapter in {folder} names no base model (adapter_config.json "
+                        "base_model_name_or_path); retrain the run.")
+    try:
+        base = load_model(base_name, device)
+    except DataError as exc:
+        raise DataError(f"the LoRA adapter in {folder} is for the base model {base_name}, which cannot be "
+                        f"loaded: {exc}") from exc
+    model = PeftModel.from_pretrained(base, folder)
+    model = model.merge_and_unload() if merge else model
     return model.to(device)
 
 

@@ -17,18 +17,24 @@ from .settings import RESULT_TRAINING_KEYS
 
 # The files rule `pretrain` writes (weights, config).
 PRETRAINED_FILES = (f"{layout.PRETRAINED}/{layout.MODEL_WEIGHTS}", f"{layout.PRETRAINED}/{layout.MODEL_CONFIG}")
-# The files rule `finetune` writes into a run folder (layout.RUN_DIR), by output name.
-RUN_FILES = {
-    "ledger": layout.LEDGER,
-    "train_log": layout.TRAIN_LOG,
-    "model": f"{layout.RUN_MODEL}/{layout.MODEL_WEIGHTS}",
-    "model_config": f"{layout.RUN_MODEL}/{layout.MODEL_CONFIG}",
-}
+def uses_lora(config: dict) -> bool:
+    """Whether fine-tuning trains LoRA adapters (model.lora), so run folders hold an adapter, not a model."""
+    return bool(config["model"].get("lora"))
 
 
-def run_outputs(run_dir: str) -> dict[str, str]:
-    """The outputs of rule `finetune` (by name) for a run folder or run-folder template."""
-    return {name: f"{run_dir}/{file}" for name, file in RUN_FILES.items()}
+def run_model_files(folder: str, config: dict) -> list[str]:
+    """The files of a fine-tuned model folder: the whole model, or its LoRA adapter under model.lora."""
+    return layout.model_files(folder, adapter=uses_lora(config))
+
+
+def run_outputs(run_dir: str, config: dict) -> dict[str, str]:
+    """The outputs of rule `finetune` (by name) for a run folder or run-folder template.
+
+    `model` and `model_config` are the saved model's weights and config, or under model.lora the adapter's.
+    """
+    config_file, weights = run_model_files(f"{run_dir}/{layout.RUN_MODEL}", config)
+    return {"ledger": f"{run_dir}/{layout.LEDGER}", "train_log": f"{run_dir}/{layout.TRAIN_LOG}",
+            "model": weights, "model_config": config_file}
 
 
 def run_dirs(config: dict) -> list[str]:
@@ -44,12 +50,12 @@ def run_dirs(config: dict) -> list[str]:
 def released_models(config: dict) -> list[str]:
     """The model files of the cells selected by random stopping (their RUN_MODEL in the cell folder)."""
     return [path for cell in layout.iter_cells(config) if one_job(config, cell.epsilon)
-            for path in layout.model_files(f"{cell.run_dir}/{layout.RUN_MODEL}")]
+            for path in run_model_files(f"{cell.run_dir}/{layout.RUN_MODEL}", config)]
 
 
 def train_targets(config: dict) -> list[str]:
     """The files rule `finetune` writes for every run (plus the pretrained model if it is built)."""
-    out = [path for d in run_dirs(config) for path in run_outputs(d).values()] + released_models(config)
+    out = [path for d in run_dirs(config) for path in run_outputs(d, config).values()] + released_models(config)
     if not config["model"]["name"]:
         out += list(PRETRAINED_FILES)
     return out
@@ -101,7 +107,7 @@ def model_spec(config: dict) -> dict[str, Any]:
     m = config["model"]
     if m["name"]:
         return {"name": m["name"]}
-    return sorted_dict({k: v for k, v in m.items() if k != "name"})
+    return sorted_dict({k: v for k, v in m.items() if k not in ("name", "lora")})
 
 
 def pretrain_params(config: dict) -> dict[str, Any]:
@@ -140,4 +146,6 @@ def finetune_params(config: dict, dataset: str) -> dict[str, Any]:
     }
     if tr.get("debug_step_log"):
         out["debug_step_log"] = True
+    if config["model"].get("lora"):  # only when set: configs without LoRA rerun nothing
+        out["lora"] = dict(config["model"]["lora"])
     return sorted_dict(out)
