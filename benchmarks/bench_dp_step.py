@@ -21,6 +21,8 @@ Prints the ratios ELS/non-private and ULS/non-private for both the whole step
 and the gradient part alone (accumulate). Example:
 
     .venv/bin/python benchmarks/bench_dp_step.py            # CPU, both configs
+    .venv/bin/python benchmarks/bench_dp_step.py --configs llama-tiny,llama-60m --lora 16 --compare-full
+        # DP-LoRA (els, uls) vs non-private LoRA, and the full fine-tuning DP steps (els_full, uls_full)
     .venv/bin/python benchmarks/bench_dp_step.py --device cuda --bf16 --configs gpt2-34m,gpt2-medium \
         --json-out benchmarks/out/bench_dp_step.json
 """
@@ -46,24 +48,54 @@ CONFIGS = {
     "gpt2-34m": (8, 512, 8, 16384, 128, 16),
     # the paper's model shape (config/paper.yaml: gpt2-medium, sequence 128, physical batch 64)
     "gpt2-medium": (24, 1024, 16, 50257, 128, 64),
+    # Llama-shaped (RMSNorm, RoPE, SwiGLU with intermediate 8/3 x width, untied): for the LoRA comparison
+    "llama-tiny": (2, 64, 4, 1024, 64, 16),
+    "llama-60m": (8, 512, 8, 32000, 128, 16),
+    # a ~1B-parameter Llama shape (benchmarks/gpu_check.sh runs it with --lora on a GPU, bf16)
+    "llama-1b": (16, 2048, 16, 32000, 256, 16),
 }
 MODES = ("nonprivate", "els", "uls")
+# --lora: the three modes train LoRA adapters; with --compare-full the full fine-tuning DP steps are timed too
+FULL_MODES = ("els_full", "uls_full")
 
 
-def build(config: str, device: str, seed: int = 0):
-    """Model (GPT-2, tied embeddings, no dropout) and Adam, on device."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def build(config: str, device: str, seed: int = 0, lora: int | None = None):
+    """Model (GPT-2 with tied embeddings, or Llama-shaped untied; no dropout) and Adam, on device.
+
+    lora: rank of LoRA adapters on every linear layer but the output one (userdp.training.models.apply_lora,
+    as model.lora does); only they are trainable.
+    """
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     n_layer, n_embd, n_head, vocab, seq, _ = CONFIGS[config]
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=seq,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    if config.startswith("llama"):
+        cfg = LlamaConfig(num_hidden_layers=n_layer, hidden_size=n_embd, num_attention_heads=n_head,
+                          num_key_value_heads=n_head, intermediate_size=(8 * n_embd) // 3, vocab_size=vocab,
+                          max_position_embeddings=seq, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    else:
+        cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=seq,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     # initialise on the device itself: a 355M-parameter init is seconds on a CPU, nothing on a GPU
     with torch.device(device):
-        model = GPT2LMHeadModel(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
+    if lora:
+        from userdp.training.models import apply_lora
+
+        model = apply_lora(model, {"r": int(lora), "alpha": 2.0 * int(lora), "dropout": 0.0,
+                                   "target_modules": None}, seed=seed).to(device)
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     return model, opt
+
+
+def dp_mode(mode: str) -> str:
+    """The sampling level of a mode (els_full -> els)."""
+    return mode.removesuffix("_full")
+
+
+def modes(args) -> tuple[str, ...]:
+    return MODES + (FULL_MODES if args.lora and args.compare_full else ())
 
 
 def make_batch(config: str, mode: str, per_user: str, device: str, seed: int = 1):
@@ -97,7 +129,7 @@ class Stepper:
 
         self.model, self.opt, self.mode, self.args = model, opt, mode, args
         self.cg = ClippedGradients(model, None if mode == "nonprivate" else args.clip)
-        self.batch = make_batch(config, mode, args.per_user, args.device)
+        self.batch = make_batch(config, dp_mode(mode), args.per_user, args.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.gen = torch.Generator(device=args.device).manual_seed(2)
 
@@ -162,7 +194,8 @@ def measure_memory(args) -> None:
     # warm up lazy imports and kernels on a throwaway model so they are not counted
     saved = CONFIGS["tiny"]
     CONFIGS["tiny"] = (1, 16, 2, 64, 8, 4)
-    warm_model, warm_opt = build("tiny", args.device)
+    lora = None if args.mode in FULL_MODES else args.lora
+    warm_model, warm_opt = build("tiny", args.device, lora=lora)
     Stepper(warm_model, warm_opt, "tiny", args.mode, args)()
     CONFIGS["tiny"] = saved
     del warm_model, warm_opt
@@ -172,7 +205,7 @@ def measure_memory(args) -> None:
     else:
         base = rss_mb()
         reset_peak_rss()
-    model, opt = build(args.config, args.device)
+    model, opt = build(args.config, args.device, lora=lora)
     step = Stepper(model, opt, args.config, args.mode, args)
     for _ in range(args.steps_mem):
         step()
@@ -186,29 +219,33 @@ def measure_memory(args) -> None:
 
 def measure_time(config: str, args) -> dict[str, dict[str, float]]:
     """Interleave the modes step by step; median seconds per mode."""
-    model, opt = build(config, args.device)
+    model, opt = build(config, args.device, lora=args.lora)
     steppers = {m: Stepper(model, opt, config, m, args) for m in MODES}
+    if args.lora and args.compare_full:
+        full_model, full_opt = build(config, args.device)
+        steppers.update({m: Stepper(full_model, full_opt, config, m, args) for m in FULL_MODES})
+    all_modes = modes(args)
     for _ in range(args.warmup):
-        for m in MODES:
+        for m in all_modes:
             steppers[m]()
-    acc = {m: [] for m in MODES}
-    full = {m: [] for m in MODES}
-    cpu = {m: [] for m in MODES}
+    acc = {m: [] for m in all_modes}
+    full = {m: [] for m in all_modes}
+    cpu = {m: [] for m in all_modes}
     for _ in range(args.steps):
-        for m in MODES:
+        for m in all_modes:
             a, s, c = steppers[m]()
             acc[m].append(a)
             full[m].append(s)
             cpu[m].append(c)
     med = statistics.median
-    return {m: {"acc_s": med(acc[m]), "step_s": med(full[m]), "cpu_s": med(cpu[m])} for m in MODES}
+    return {m: {"acc_s": med(acc[m]), "step_s": med(full[m]), "cpu_s": med(cpu[m])} for m in all_modes}
 
 
 def ratios(times: dict, mem: dict) -> dict[str, dict[str, float]]:
     """DP mode / non-private: whole step, gradient part, and peak memory (when measured)."""
     base = times["nonprivate"]
     out = {}
-    for m in MODES[1:]:
+    for m in [k for k in times if k != "nonprivate"]:
         out[m] = {"step": times[m]["step_s"] / base["step_s"], "grad_part": times[m]["acc_s"] / base["acc_s"]}
         if mem:
             out[m]["peak_mem"] = mem[m]["peak_mb"] / mem["nonprivate"]["peak_mb"]
@@ -222,7 +259,7 @@ def write_results(args, results: dict) -> None:
     write_json(args.json_out, {
         "device": args.device, "bf16": args.bf16, "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-        "steps": args.steps, "warmup": args.warmup, "uls_per_user": args.per_user,
+        "steps": args.steps, "warmup": args.warmup, "uls_per_user": args.per_user, "lora_rank": args.lora,
         "shapes": {c: dict(zip(("n_layer", "n_embd", "n_head", "vocab", "seq", "batch"), CONFIGS[c]))
                    for c in results},
         "results": results,
@@ -244,6 +281,10 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=None, help="override the configs' batch size")
     ap.add_argument("--seq", type=int, default=None, help="override the configs' sequence length")
+    ap.add_argument("--lora", type=int, default=None,
+                    help="LoRA rank: every mode trains adapters (model.lora) instead of every parameter")
+    ap.add_argument("--compare-full", action="store_true",
+                    help="with --lora: also time and measure the full fine-tuning DP steps (els_full, uls_full)")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--json-out", default=None, help="also write the results (with ratios) to this JSON file")
     ap.add_argument("--child-mode", default=None, help=argparse.SUPPRESS)
@@ -259,17 +300,19 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"device={args.device} bf16={args.bf16} threads={args.threads} torch={torch.__version__} "
-          f"steps={args.steps} warmup={args.warmup} uls_per_user={args.per_user}")
+          f"steps={args.steps} warmup={args.warmup} uls_per_user={args.per_user} lora={args.lora}")
     results = {}
     for config in args.configs.split(","):
         n_layer, n_embd, _, vocab, seq, batch = CONFIGS[config]
         times = measure_time(config, args)
         mem = {}
         if not args.skip_memory:
-            for m in MODES:
+            for m in modes(args):
                 cmd = [sys.executable, __file__, "--child-mode", m, "--child-config", config, "--device", args.device,
                        "--threads", str(args.threads), "--steps-mem", str(args.steps_mem), "--per-user",
                        str(args.per_user), "--clip", str(args.clip)]
+                if args.lora:
+                    cmd += ["--lora", str(args.lora)]
                 if args.bf16:
                     cmd.append("--bf16")
                 if args.batch:
@@ -286,7 +329,7 @@ def main() -> None:
         print(f"\n== {config}: n_layer={n_layer} n_embd={n_embd} vocab={vocab} seq={seq} batch={batch} "
               f"params={n_params / 1e6:.1f}M")
         base = times["nonprivate"]
-        for m in MODES:
+        for m in modes(args):
             t = times[m]
             line = (f"{m:>10s}: step {t['step_s'] * 1e3:8.1f} ms ({t['step_s'] / base['step_s']:.2f}x)  "
                     f"cpu {t['cpu_s'] * 1e3:8.1f} ms ({t['cpu_s'] / base['cpu_s']:.2f}x)  "

@@ -123,8 +123,8 @@ class _Scaled(nn.Module):
         return self.inner(*args, **kwargs) * self.scale
 
 
-class GemmaRMSNorm(nn.Module):
-    """RMSNorm with (1 + weight) scaling: looks like an RMSNorm but is not weight * x / rms(x)."""
+class OddRMSNorm(nn.Module):
+    """RMSNorm with (0.5 + weight) scaling: looks like an RMSNorm but is neither Llama's nor Gemma's."""
 
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -132,7 +132,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = 1e-6
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (0.5 + self.weight)
 
 
 def test_unsupported_module_raises_clear_error():
@@ -147,8 +147,8 @@ def test_unsupported_module_raises_clear_error():
 
 def test_rmsnorm_variant_is_checked_not_assumed():
     model = tiny_llama()
-    model.model.norm = GemmaRMSNorm(32).double()
-    with pytest.raises(UnsupportedModelError, match="GemmaRMSNorm"):
+    model.model.norm = OddRMSNorm(32).double()
+    with pytest.raises(UnsupportedModelError, match="OddRMSNorm"):
         ClippedGradients(model, 1.0)
 
 

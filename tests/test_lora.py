@@ -164,8 +164,30 @@ def test_checkpoint_holds_only_the_adapters_and_resumes_bit_identically(pool, tm
 
 
 def test_an_update_that_moves_nothing_fails_loudly(pool, tmp_path):
-    with pytest.raises(RuntimeError, match="changed none of the .* trainable parameters"):
-        _train(pool, tmp_path / "run", lr=0.0)
+    """No gradient reaches the trainable parameters and there is no noise: step 1 stops the run (not step T)."""
+    class NoGradient:  # adapters that no gradient reaches (what a detached adapter would give)
+        def __init__(self, model, clip_norm, normalize=False):
+            self.params = [p for p in model.parameters() if p.requires_grad]
+
+        def accumulate(self, input_ids, attention_mask, unit_ids, row_weights):
+            for p in self.params:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            return {"loss_sum": 0.0, "n_rows": int((unit_ids >= 0).sum()),
+                    "n_units": int(torch.unique(unit_ids[unit_ids >= 0]).numel()), "unit_norms": None,
+                    "clipped_fraction": 0.0}
+
+    model = models.apply_lora(_base(), LORA, seed=0)
+    plan = plan_for(pool, "uls", expected=3.0, steps=4, sigma=0.0, clip=None)
+    settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, device="cpu",
+                             log_every_s=0.0)
+    with pytest.raises(RuntimeError, match="step 1: the update changed none of the .* trainable parameters"):
+        engine.train(model, pool, plan, settings, engine.RunPaths(tmp_path / "run"),
+                     engine.run_seeds(0, 0, "t", "uls", "inf", 100, 3, 0.01), 0,
+                     gradient_source=NoGradient, compute_epsilon=lambda e, d: 1.0)
+    assert not (tmp_path / "run" / "ledger.json").exists()
+    # a zero learning rate is a legitimate setting (replay tests, a warm-up's first step): not checked
+    _, out = _train(pool, tmp_path / "zero", lr=0.0)
+    assert out.complete
 
 
 # ---------------------------------------------------------------- config

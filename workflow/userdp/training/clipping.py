@@ -6,8 +6,10 @@ the `.grad` of every trainable parameter, where g_u is the gradient of unit u
 gradients of the big matrices blindly and never runs one backward per unit:
 
 1. forward with hooks on every parameterised module of a registered layer
-   type (`LAYER_HANDLERS`: Linear, GPT-2 Conv1D, Embedding, LayerNorm,
-   RMSNorm): the layer inputs are kept and the outputs get a tensor hook that
+   type (`LAYER_HANDLERS`: Linear, GPT-2 Conv1D, Embedding, Gemma's scaled
+   Embedding, OPT's offset positions, LayerNorm, Llama's and Gemma's
+   RMSNorm, also per head as in Qwen3; layers that flatten tokens to
+   [B * L, ...] are seen per token too): the layer inputs are kept and the outputs get a tensor hook that
    receives the output gradient, which the layer's handler turns into
    gradient pieces;
 2. one backward with all trainable parameters temporarily frozen, so autograd
@@ -103,11 +105,12 @@ def norm_dtype_of(x: Tensor) -> torch.dtype:
 
 
 @torch.no_grad()
-def _rms_matches(module: nn.Module) -> bool:
-    """Check numerically that an RMSNorm-like module computes weight * x / rms(x).
+def _rms_matches(module: nn.Module, offset: float = 0.0) -> bool:
+    """Check numerically that an RMSNorm-like module computes (offset + weight) * x / rms(x).
 
-    Variants such as Gemma's (1 + weight) scaling fail the check and are
-    reported as unsupported rather than clipped wrongly.
+    offset 0 is Llama's RMSNorm, offset 1 Gemma's (1 + weight); any other
+    variant fails both checks and is reported as unsupported rather than
+    clipped wrongly.
     """
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
@@ -120,7 +123,7 @@ def _rms_matches(module: nn.Module) -> bool:
         got = module(x)
     except Exception:  # noqa: BLE001 - any failure means we do not understand this module
         return False
-    want = weight * _rms_normalized(module, x, weight.dtype)
+    want = (offset + weight) * _rms_normalized(module, x, weight.dtype)
     tol = 1e-2 if weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
     return got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol)
 
@@ -152,6 +155,10 @@ class LayerHandler:
     def matches(self, module: nn.Module) -> bool:
         """Whether this handler computes the parameter gradients of `module` exactly."""
         raise NotImplementedError
+
+    def module_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """The tensor the layer's gradient is a function of: its first input (override for other layers)."""
+        return args[0] if args else (next(iter(kwargs.values())) if len(kwargs) == 1 else None)
 
     def layer_input(self, x: Tensor, output: Tensor, batch: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """(input, output, replacement output or None) as the forward hook should see them."""
@@ -261,19 +268,97 @@ class LayerNormHandler(_BiasHandler):
         return g.to(dtype) * F.layer_norm(x.to(dtype), module.normalized_shape, eps=module.eps)
 
 
+def _per_token(piece: Tensor) -> Tensor:
+    """A vector piece [B, L, ..., D] of a norm applied per head ([B, L, H, D], Qwen3's q/k norms) summed to
+    [B, L, D]: the weight is shared by the heads, so its per-token gradient is the sum over them."""
+    return piece if piece.dim() <= 3 else piece.sum(dim=tuple(range(2, piece.dim() - 1)))
+
+
 class RMSNormHandler(LayerHandler):
-    """Llama-style RMSNorm, y = w * x / rms(x) (checked numerically: Gemma's (1 + w) is not supported)."""
+    """Llama-style RMSNorm, y = w * x / rms(x), checked numerically; also applied per head (Qwen3)."""
 
     kind, label, roles = "rmsnorm", "Llama-style RMSNorm (weight * x / rms(x))", {"weight": VECTOR}
+    offset = 0.0
 
     def matches(self, module):
-        return (isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")) and _rms_matches(module)
+        return ((isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm"))
+                and _rms_matches(module, self.offset))
 
     def piece(self, module, role, x, g, dtype):
-        return g.to(dtype) * _rms_normalized(module, x, dtype)
+        # d/dw of (offset + w) * xhat is xhat, for both variants
+        return _per_token(g.to(dtype) * _rms_normalized(module, x, dtype))
 
 
-for _handler in (LinearHandler(), Conv1DHandler(), EmbeddingHandler(), LayerNormHandler(), RMSNormHandler()):
+class OffsetRMSNormHandler(RMSNormHandler):
+    """Gemma-style RMSNorm, y = (1 + w) * x / rms(x) (Gemma, Gemma 2/3), checked numerically."""
+
+    kind, label = "rmsnorm_offset", "Gemma-style RMSNorm ((1 + weight) * x / rms(x))"
+    offset = 1.0
+
+
+class ScaledEmbeddingHandler(EmbeddingHandler):
+    """An embedding whose output is scaled by a constant (Gemma's `embed_scale`): grad rows = scale * g."""
+
+    kind, label = "scaled_embedding", "scaled nn.Embedding (Gemma: table * embed_scale)"
+
+    def matches(self, module):
+        if not (isinstance(module, nn.Embedding) and hasattr(module, "embed_scale") and module.max_norm is None
+                and not module.scale_grad_by_freq and not module.sparse):
+            return False
+        with torch.no_grad():
+            ids = torch.arange(min(4, module.num_embeddings), device=module.weight.device)[None]
+            try:
+                got = module(ids)
+            except Exception:  # noqa: BLE001 - a forward we do not understand is not supported
+                return False
+            return torch.allclose(got, F.embedding(ids, module.weight) * self._scale(module), rtol=1e-4, atol=1e-6)
+
+    @staticmethod
+    def _scale(module: nn.Module) -> Tensor | float:
+        scale = module.embed_scale
+        return scale.to(module.weight.dtype) if isinstance(scale, Tensor) else float(scale)
+
+    def piece(self, module, role, x, g, dtype):
+        record = super().piece(module, role, x, g, dtype)
+        scale = self._scale(module)
+        return gn.IndexRecord(ids=record.ids, g=record.g * (scale.to(record.g.dtype) if isinstance(scale, Tensor)
+                                                            else scale))
+
+
+class OffsetPositionsHandler(EmbeddingHandler):
+    """OPT's learned positions: the table row of token t is its position (from the attention mask or the
+    position ids it is given) plus a fixed offset; checked numerically against that rule."""
+
+    kind, label = "offset_positions", "OPT learned positional embedding (position + offset)"
+
+    def matches(self, module):
+        if not (isinstance(module, nn.Embedding) and isinstance(getattr(module, "offset", None), int)
+                and type(module).__name__.endswith("LearnedPositionalEmbedding")):
+            return False
+        mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], device=module.weight.device)
+        with torch.no_grad():
+            try:
+                got = module(mask, 0, position_ids=None)
+            except Exception:  # noqa: BLE001
+                return False
+            want = F.embedding(self._ids(module, (mask, 0), {}), module.weight)
+            return got.shape == want.shape and torch.equal(got, want)
+
+    @staticmethod
+    def _ids(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+        mask = args[0] if args else kwargs["attention_mask"]
+        cache = int(args[1]) if len(args) > 1 else int(kwargs.get("cache_length", 0) or 0)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = ((torch.cumsum(mask, dim=1) * mask) - 1).long()[:, cache:]
+        return pos + module.offset
+
+    def module_input(self, module, args, kwargs):
+        return self._ids(module, args, kwargs)
+
+
+for _handler in (LinearHandler(), Conv1DHandler(), EmbeddingHandler(), ScaledEmbeddingHandler(),
+                 OffsetPositionsHandler(), LayerNormHandler(), RMSNormHandler(), OffsetRMSNormHandler()):
     register_layer(_handler)
 
 
@@ -311,7 +396,8 @@ def _collect_uses(model: nn.Module) -> tuple[list[nn.Parameter], list[_Use]]:
             "DP clipping cannot compute per-unit gradient norms for these trainable parameters: "
             + ", ".join(bad)
             + ". Supported layers: " + ", ".join(h.label for h in LAYER_HANDLERS) + ". Freeze these "
-            "parameters (requires_grad=False) or use a GPT-2/Llama-family model."
+            "parameters (requires_grad=False), train LoRA adapters instead (model.lora), or use one of the "
+            "architectures of tests/test_architectures.py."
         )
     seen: dict[int, nn.Parameter] = {}
     for u in uses:
@@ -508,10 +594,13 @@ class ClippedGradients:
                       output: Tensor) -> Tensor | None:
         """Keep the layer input; hook the output so its gradient reaches `_on_grad`."""
         b, length = self._batch
-        x = args[0] if args else (next(iter(kwargs.values())) if len(kwargs) == 1 else None)
+        x = uses[0].handler.module_input(module, args, kwargs)
         if not isinstance(x, Tensor) or not isinstance(output, Tensor):
             raise RuntimeError(f"DP clipping: could not find the input/output tensor of {type(module).__name__}")
         x, output, replaced = uses[0].handler.layer_input(x, output, b)
+        flat = x.dim() >= 2 and x.shape[0] == b * length and tuple(x.shape[:2]) != (b, length)
+        if flat:  # tokens flattened to [B * L, ...] (OPT's feed-forward block): the rows are still the tokens
+            x = x.reshape(b, length, *x.shape[1:])
         if tuple(x.shape[:2]) != (b, length):
             raise RuntimeError(f"DP clipping: layer {type(module).__name__} saw input of shape {tuple(x.shape)}, "
                                f"expected leading dims {(b, length)} (batch, sequence)")
@@ -520,10 +609,11 @@ class ClippedGradients:
             output.requires_grad_(True)
         x = x.detach()
         version = x._version
-        output.register_hook(functools.partial(self._on_grad, uses, module, x, version))
+        output.register_hook(functools.partial(self._on_grad, uses, module, x, version, (b, length) if flat else None))
         return replaced
 
-    def _on_grad(self, uses: list[_Use], module: nn.Module, x: Tensor, version: int, g: Tensor) -> None:
+    def _on_grad(self, uses: list[_Use], module: nn.Module, x: Tensor, version: int,
+                 unflatten: tuple[int, int] | None, g: Tensor) -> None:
         """Turn (layer input, output gradient) into per-parameter records, or reduce them at once."""
         if x._version != version:
             raise RuntimeError(f"DP clipping: the input of {type(module).__name__} was modified in place after "
@@ -531,6 +621,8 @@ class ClippedGradients:
         layout = self._layout
         with _no_autocast(g.device):
             g = g.detach()
+            if unflatten is not None:
+                g = g.reshape(*unflatten, *g.shape[1:])
             for use in uses:
                 st = self._states[id(use.param)]
                 piece = use.handler.piece(module, use.role, x, g, gn.norm_dtype(use.param.dtype))

@@ -573,16 +573,18 @@ def train(
              "device=%s processes=%d", mech.method, mech.steps, mech.rate, mech.unit_name, dp_step.expected,
              mech.sigma, mech.clip_norm, mech.group_size, pool_size, pool.n_users, settings.learning_rate,
              device, dist.world_size if dist is not None else 1)
+    unchecked = True  # the first update at a learning rate > 0 in this invocation must move a parameter
     progress, done_now, saved_at = _Progress(mech.steps, settings.log_every_s, settings.debug_step_log), 0, run.step
     while run.step < mech.steps and (max_steps is None or done_now < max_steps):
         t0 = time.monotonic()
         observed: dict[str, Any] | None = None if observe is None else {}
         sel, sums = dp_step(observed)
         norms = dp_step.update_norms()  # before the optimizer step, which may touch p.grad
-        before = _fingerprints(run.params) if done_now == 0 else None
+        before = _fingerprints(run.params) if unchecked else None
         row = run.record(sel, sums, run.update(), time.monotonic() - t0, norms)
-        if before is not None:
+        if before is not None and row["learning_rate"] > 0:  # a zero rate (warm-up start, replay tests) moves nothing
             _check_moved(run.params, before, run.step)
+            unchecked = False
         done_now += 1
         if on_step is not None:
             on_step(run.step, row)
@@ -620,16 +622,17 @@ def _fingerprints(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _check_moved(params: list[torch.Tensor], before: torch.Tensor, step: int) -> None:
-    """Fail loudly when the first update of this invocation changed no trainable parameter.
+    """Fail loudly when the first update at a learning rate > 0 of this invocation changed no trainable parameter.
 
-    An update that moves nothing (e.g. adapters detached from the graph, a zero learning rate) would train for
-    hours and release the base model; the noise alone moves every parameter of a private run.
+    An update that moves nothing (e.g. adapters no gradient reaches, in a run without noise) would train for
+    hours and release the base model; the noise alone moves every parameter of a private run. Steps at a zero
+    learning rate (a warm-up's first step, replay tests) are not checked.
     """
     moved = (_fingerprints(params) != before).any(dim=1)
     if not bool(moved.any()):
         raise RuntimeError(f"step {step}: the update changed none of the {len(params)} trainable parameters "
-                           "(no gradient reached them, or the learning rate is 0); check model.lora and "
-                           "training.learning_rates.")
+                           "(no gradient or noise reached them); check model.lora (its target_modules) and the "
+                           "model's trainable parameters.")
 
 
 def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings, paths: RunPaths,
