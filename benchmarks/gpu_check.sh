@@ -10,19 +10,23 @@
 # prints (the "== ..." tables at the end of $OUT/gpu_check.log, or
 # $OUT/gpu_check.json) in the closing note and in docs/gpu-hours.md.
 # Expected wall time about 4 minutes (machine start not counted); the stages
-# have their own timeouts (200 s + 230 s), so the script ends within ~8 min
+# have their own timeouts (200 s + 150 s + 230 s), so the script ends within ~10 min
 # even when both run out; what finished is still written under $OUT.
 #
 # What it runs (the library comes from the working tree: PYTHONPATH=workflow):
 #   (a) benchmarks/bench_dp_step.py --device cuda --bf16 on gpt2-medium and
 #       gpt2-34m; gpt2-medium (24 layers, 1024 wide, 16 heads, vocab 50257, seq 128,
 #       physical batch 64): ELS and ULS vs non-private step time and peak memory;
+#   (a2) bench_dp_step --lora 16 --compare-full on a ~1B-parameter Llama shape (llama-1b: 16 layers, 2048
+#       wide, seq 256), bf16: DP-LoRA (ELS, ULS) vs non-private LoRA, and the full-fine-tuning DP steps;
+#       needs the peft and accelerate wheels in .whl too (pip download --no-deps peft==0.21.2
+#       accelerate==1.15.0 -d .whl; both are pure Python);
 #   (b) benchmarks/gpu_finetune_smoke.py: ~20 steps each of ELS, ULS and a
 #       non-private run through userdp.training.engine.train on a
 #       gpt2-medium-sized model (random init), bf16: steps/s, examples/s, peak
 #       GPU memory, and the ledger (epsilon from the real accountant).
 # Outputs under $OUT (they come back to the calling machine): gpu_check.log
-# (everything printed), gpu_check.json (summary), bench_dp_step.json,
+# (everything printed), gpu_check.json (summary), bench_dp_step.json, bench_dp_step_lora.json,
 # gpu_finetune_smoke.json, env.json.
 #
 # The device image has torch, transformers, pyarrow, pandas, numpy, scipy,
@@ -66,14 +70,17 @@ if [[ $MODE == cpu ]]; then
   fi
   BENCH_ARGS=(--device cpu --configs tiny --warmup 1 --steps 2 --steps-mem 1 --threads 1)
   SMOKE_ARGS=(--size tiny --device cpu --steps 2 --warmup-steps 0 --threads 1)
-  BENCH_TIMEOUT=300 SMOKE_TIMEOUT=300
+  LORA_ARGS=(--device cpu --configs llama-tiny --lora 8 --compare-full --warmup 1 --steps 2 --steps-mem 1 --threads 1)
+  BENCH_TIMEOUT=300 SMOKE_TIMEOUT=300 LORA_TIMEOUT=300
 else
   PY=${PYTHON:-python3}
   OUT_DIR=${OUT:-benchmarks/out/gpu_check}
   SITE=${SITE:-/tmp/site}
   BENCH_ARGS=(--device cuda --bf16 --configs gpt2-medium,gpt2-34m --warmup 2 --steps 5 --steps-mem 2 --threads 8)
   SMOKE_ARGS=(--size gpt2-medium --device cuda --bf16 --steps 20 --warmup-steps 3 --threads 8)
-  BENCH_TIMEOUT=200 SMOKE_TIMEOUT=230
+  LORA_ARGS=(--device cuda --bf16 --configs llama-1b --lora 16 --compare-full --warmup 2 --steps 5 --steps-mem 2
+             --threads 8)
+  BENCH_TIMEOUT=200 SMOKE_TIMEOUT=230 LORA_TIMEOUT=150
 fi
 mkdir -p "$OUT_DIR" || exit 2
 LOG=$OUT_DIR/gpu_check.log
@@ -127,6 +134,12 @@ timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/bench_dp_step.py "${BENCH_ARGS[@
 BENCH_RC=$? BENCH_S=$(( $(date +%s) - t0 ))
 echo "bench_dp_step: rc=$BENCH_RC in ${BENCH_S}s"
 
+echo; echo "== (a2) bench_dp_step LoRA ${LORA_ARGS[*]}"
+t0=$(date +%s)
+timeout -k 10 "$LORA_TIMEOUT" "$PY" benchmarks/bench_dp_step.py "${LORA_ARGS[@]}" --json-out "$OUT_DIR/bench_dp_step_lora.json"
+LORA_RC=$? LORA_S=$(( $(date +%s) - t0 ))
+echo "bench_dp_step LoRA: rc=$LORA_RC in ${LORA_S}s"
+
 echo; echo "== (b) gpu_finetune_smoke ${SMOKE_ARGS[*]}"
 t0=$(date +%s)
 timeout -k 10 "$SMOKE_TIMEOUT" "$PY" benchmarks/gpu_finetune_smoke.py "${SMOKE_ARGS[@]}" \
@@ -140,9 +153,9 @@ if [[ $MODE == gpu ]]; then
 fi
 
 # One summary: the headline figures, the stages' exit codes and wall times, and the full results.
-"$PY" - "$OUT_DIR" "$MODE" "$WHEEL_RC" "$BENCH_RC" "$BENCH_S" "$SMOKE_RC" "$SMOKE_S" "$T_START" <<'EOF'
+"$PY" - "$OUT_DIR" "$MODE" "$WHEEL_RC" "$BENCH_RC" "$BENCH_S" "$SMOKE_RC" "$SMOKE_S" "$T_START" "$LORA_RC" "$LORA_S" <<'EOF'
 import json, os, sys, time
-out, mode, wheel_rc, bench_rc, bench_s, smoke_rc, smoke_s, t_start = sys.argv[1:]
+out, mode, wheel_rc, bench_rc, bench_s, smoke_rc, smoke_s, t_start, lora_rc, lora_s = sys.argv[1:]
 
 def load(name):
     try:
@@ -161,11 +174,13 @@ head = {"bench_ratios": {c: r.get("ratios") for c, r in bench.get("results", {})
                                             "mean_realised_examples", "error")}
                   | {"epsilon": r.get("ledger", {}).get("epsilon"), "checks": r.get("checks")}
                   for m, r in smoke.get("runs", {}).items()},
-        "smoke_ratios_vs_nonprivate": smoke.get("ratios_vs_nonprivate")}
+        "smoke_ratios_vs_nonprivate": smoke.get("ratios_vs_nonprivate"),
+        "lora_bench_ratios": {c: r.get("ratios") for c, r in load("bench_dp_step_lora.json").get("results", {}).items()}}
 ok = bench_rc == "0" and smoke_rc == "0"
 summary = {"mode": mode, "ok": ok, "wall_s": time.time() - float(t_start),
            "stages": {"wheels": wheel_rc, "bench_dp_step": {"rc": int(bench_rc), "s": int(bench_s)},
-                      "gpu_finetune_smoke": {"rc": int(smoke_rc), "s": int(smoke_s)}},
+                      "gpu_finetune_smoke": {"rc": int(smoke_rc), "s": int(smoke_s)},
+                      "bench_dp_step_lora": {"rc": int(lora_rc), "s": int(lora_s)}},
            "headline": head, "env": env, "bench_dp_step": bench, "gpu_finetune_smoke": smoke}
 tmp = os.path.join(out, ".gpu_check.json.tmp")
 with open(tmp, "w") as fh:

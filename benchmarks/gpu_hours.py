@@ -22,6 +22,8 @@ run achieved.
 
     .venv/bin/python benchmarks/gpu_hours.py                        # the estimate
     .venv/bin/python benchmarks/gpu_hours.py --measured gpu_check.json
+    .venv/bin/python benchmarks/gpu_hours.py --config config/examples/llama-lora.yaml --model llama-3-8b \
+        --lora 16 --memory                                          # DP-LoRA on an 8B Llama, one GPU per run
 """
 
 from __future__ import annotations
@@ -35,10 +37,48 @@ from userdp.config import load_config
 from userdp.layout import iter_cells
 
 
-def flops_per_example(n_params: float, n_layer: int, n_embd: int, seq: int, backward: bool = True) -> float:
-    """Matmul FLOPs of one padded example: 2N per token forward (+4N backward), plus attention scores."""
+# Model shapes: parameters, layers, width, attention heads, vocabulary.
+MODELS = {
+    "gpt2-medium": (354_823_168, 24, 1024, 16, 50257),
+    "llama-3-8b": (8_030_261_248, 32, 4096, 32, 128256),
+}
+
+
+def flops_per_example(n_params: float, n_layer: int, n_embd: int, seq: int, backward: bool = True,
+                      lora: bool = False) -> float:
+    """Matmul FLOPs of one padded example: 2N per token forward (+4N backward), plus attention scores.
+
+    lora: the frozen base computes no weight gradients, so the backward is 2N per token (activation gradients
+    only; the adapters' own FLOPs are negligible at small rank).
+    """
     per_token = 2 * n_params + 4 * n_layer * n_embd * seq  # forward: weights, and QK^T and AV (2 L d each)
-    return per_token * seq * (3 if backward else 1)
+    return per_token * seq * ((2 if lora else 3) if backward else 1)
+
+
+def memory_gb(n_params: float, n_layer: int, n_embd: int, n_head: int, vocab: int, seq: int, micro_batch: int,
+              lora_params: float | None) -> dict[str, float]:
+    """Peak GPU memory of one fine-tuning job (GB), by part.
+
+    Weights in fp32 (bf16 is autocast); trainable state (weights' gradient and Adam's two moments, fp32) of
+    every parameter or of the adapters; activations of a bf16 micro-batch without recomputation (about
+    L d (34 + 5 h L / d) bytes per layer and sequence, Korthikanti et al. 2022) times 1.5 for the clipping
+    book-keeping (each hooked layer's input and output gradient); fp32 logits and their log-softmax.
+    """
+    trainable = n_params if lora_params is None else lora_params
+    parts = {
+        "weights (fp32)": 4 * n_params,
+        "gradients + Adam state (fp32)": 12 * trainable,
+        "activations + clipping book-keeping": 1.5 * micro_batch * seq * n_layer * (34 * n_embd + 5 * n_head * seq),
+        "logits (fp32, x3)": 3 * 4 * micro_batch * seq * vocab,
+    }
+    return {k: v / 1e9 for k, v in parts.items()}
+
+
+def lora_param_count(n_layer: int, n_embd: int, r: int, intermediate: float) -> float:
+    """Adapter parameters of rank r on q, k, v, o, gate, up, down of every block (Llama shapes, full-rank k/v)."""
+    attn = 4 * r * (n_embd + n_embd)
+    mlp = 3 * r * (n_embd + intermediate)
+    return n_layer * (attn + mlp)
 
 
 def measured_rates(path: str, n_layer: int, n_embd: int, seq: int) -> dict[str, float]:
@@ -63,9 +103,12 @@ def measured_rates(path: str, n_layer: int, n_embd: int, seq: int) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="config/paper.yaml")
-    ap.add_argument("--n-params", type=float, default=354_823_168, help="gpt2-medium, tied embeddings")
-    ap.add_argument("--n-layer", type=int, default=24)
-    ap.add_argument("--n-embd", type=int, default=1024)
+    ap.add_argument("--model", default="gpt2-medium", choices=sorted(MODELS),
+                    help="the model's shape (parameters, layers, width, heads, vocabulary)")
+    ap.add_argument("--lora", type=int, default=None,
+                    help="LoRA rank (model.lora): backward without weight gradients; trainable state of the adapters")
+    ap.add_argument("--memory", action="store_true", help="also print the peak memory estimate of one job")
+    ap.add_argument("--intermediate", type=float, default=14336, help="MLP width, for the adapter count")
     ap.add_argument("--peak-tflops", type=float, default=790.0,
                     help="bf16 matmul rate of the GPU (790: an 8192^3 bf16 matmul measured on an H200)")
     ap.add_argument("--utilisation", type=float, default=0.35, help="sustained fraction of --peak-tflops")
@@ -79,9 +122,10 @@ def main() -> None:
     args = ap.parse_args()
 
     config = load_config(args.config)
+    args.n_params, args.n_layer, args.n_embd, n_head, vocab = MODELS[args.model]
     seq = int(config["tokenizer"]["sequence_length"])
     lrs = config["training"]["learning_rates"]
-    f_train = flops_per_example(args.n_params, args.n_layer, args.n_embd, seq)
+    f_train = flops_per_example(args.n_params, args.n_layer, args.n_embd, seq, lora=bool(args.lora))
     f_eval = flops_per_example(args.n_params, args.n_layer, args.n_embd, seq, backward=False)
     if args.measured:
         rates = measured_rates(args.measured, args.n_layer, args.n_embd, seq)
@@ -130,6 +174,16 @@ def main() -> None:
     print()
     print(f"longest single fine-tuning job: {longest:.1f} h (resources.finetune_runtime: "
           f"{config['resources']['finetune_runtime'] / 60:.0f} h); one evaluate job: {eval_h * 60:.0f} min")
+    if args.memory:
+        lora_n = lora_param_count(args.n_layer, args.n_embd, args.lora, args.intermediate) if args.lora else None
+        micro = int(config["training"]["physical_batch_size"])
+        parts = memory_gb(args.n_params, args.n_layer, args.n_embd, n_head, vocab, seq, micro, lora_n)
+        print()
+        trained = f"LoRA r={args.lora}, {lora_n / 1e6:.0f}M adapter parameters" if lora_n else "every parameter"
+        print(f"peak memory of one fine-tuning job ({trained}, micro-batch {micro} x {seq} tokens):")
+        for k, v in parts.items():
+            print(f"  {k}: {v:.1f} GB")
+        print(f"  total: {sum(parts.values()):.1f} GB")
 
 
 if __name__ == "__main__":

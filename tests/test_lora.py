@@ -239,3 +239,44 @@ def test_export_merged_writes_a_plain_model_equal_to_base_plus_adapter(pool, tmp
     assert "exists" in capsys.readouterr().err
     assert main(["export-merged", str(base_dir), str(tmp_path / "other")]) == 2
     assert "holds no LoRA adapter" in capsys.readouterr().err and not (tmp_path / "other").exists()
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_keeps_the_clipped_sums(arch, lora):
+    model = _with_adapters(BASES[arch]()) if lora else BASES[arch]()
+    want, norms = clipped_sum(per_unit_grads(fresh(model), *batch("uls")), 0.05, False)
+    got = fresh(model)
+    got.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    got.train()
+    stats = ClippedGradients(got, 0.05, False).accumulate(*batch("uls"))
+    for p, w in zip([p for p in got.parameters() if p.requires_grad], want):
+        torch.testing.assert_close(p.grad, w, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(stats["unit_norms"].double(), norms, rtol=1e-9, atol=1e-12)
+
+
+def test_reentrant_checkpointing_is_refused():
+    model = tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ConfigError, match="only non-reentrant gradient checkpointing"):
+        ClippedGradients(model, 1.0)
+
+
+def test_training_gradient_checkpointing_trains_the_same_model(pool, tmp_path):
+    from dataclasses import replace
+
+    runs = []
+    for name, on in (("off", False), ("on", True)):
+        model = models.apply_lora(_base(), LORA, seed=0)
+        plan = plan_for(pool, "els", expected=3.0, steps=3, sigma=0.8, clip=0.5)
+        settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, device="cpu",
+                                 log_every_s=0.0)
+        engine.train(model, pool, plan, replace(settings, gradient_checkpointing=on), engine.RunPaths(tmp_path / name),
+                     engine.run_seeds(0, 0, "t", "els", "8", 100, 3, 0.01), 0, compute_epsilon=lambda e, d: 1.0)
+        runs.append(model)
+    assert runs[1].get_base_model().is_gradient_checkpointing and not runs[0].get_base_model().is_gradient_checkpointing
+    for (n, p), (_, q) in zip(runs[0].named_parameters(), runs[1].named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)

@@ -83,3 +83,15 @@ def test_local_llama_with_lora_through_the_pipeline(tmp_path):
         assert math.isfinite(metrics["test_loss"])
         if "eps~4" in target:
             assert ledger["epsilon"] <= 4 * 1.001
+
+
+def test_example_llama_lora_config_dry_runs(tmp_path):
+    """config/examples/llama-lora.yaml on top of the default: the DAG has LoRA runs writing adapters."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "results/runs/stackoverflow/method~uls/eps~1/budget~1024000/seed~0/metrics.json",
+         "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "-n",
+         "--configfile", str(REPO / "config" / "config.yaml"), str(REPO / "config" / "examples" / "llama-lora.yaml")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout + proc.stderr
+    assert "lr~0.0003/model/adapter_model.safetensors" in out and "rule pretrain" not in out

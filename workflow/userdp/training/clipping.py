@@ -405,6 +405,15 @@ def _collect_uses(model: nn.Module) -> tuple[list[nn.Parameter], list[_Use]]:
     return list(seen.values()), uses
 
 
+def _reentrant_checkpointing(model: nn.Module) -> bool:
+    """Whether a model's gradient checkpointing (transformers') is the reentrant kind (or of unknown kind)."""
+    for module in model.modules():
+        fn = getattr(module, "_gradient_checkpointing_func", None)
+        if fn is not None:
+            return getattr(fn, "keywords", {}).get("use_reentrant", True) is not False
+    return True
+
+
 def row_losses(logits: Tensor, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     """Mean next-token cross-entropy per row [B] and the number of valid targets per row [B].
 
@@ -449,15 +458,18 @@ class ClippedGradients:
         ckpt = getattr(model, "is_activation_checkpointing", None)
         if ckpt is None:
             ckpt = getattr(model, "is_gradient_checkpointing", False)
-        if self.clip_norm is not None and ckpt:
-            raise ConfigError("DP clipping does not support gradient checkpointing (the forward would run twice); "
-                              "disable it on the model")
+        if self.clip_norm is not None and ckpt and _reentrant_checkpointing(model):
+            raise ConfigError("DP clipping supports only non-reentrant gradient checkpointing (the reentrant kind "
+                              "runs the first forward without a graph, so no per-unit gradient reaches the "
+                              "hooks); enable it with gradient_checkpointing_kwargs={'use_reentrant': False}, as "
+                              "training.gradient_checkpointing does")
         self._ids = {id(p) for p in self.params}
         self.norm_floor = norm_floor(self.params)
         # per-call state
         self._states: dict[int, gn.ParamState] = {}
         self._layout: gn.UnitLayout | None = None
         self._batch = (0, 0)
+        self._in_backward = False
         self._low: torch.dtype | None = None
 
     # ------------------------------------------------------------------ API
@@ -569,7 +581,14 @@ class ClippedGradients:
                 h.remove()
             handles = []
             if weighted.requires_grad:
-                weighted.backward()
+                # Non-reentrant activation checkpointing reruns blocks' forwards inside this backward to rebuild
+                # their saved tensors; the gradient flows through the first forward's graph, whose hooks are the
+                # ones that fire, so the reruns are not hooked again.
+                self._in_backward = True
+                try:
+                    weighted.backward()
+                finally:
+                    self._in_backward = False
             losses = losses.detach()
             del weighted
             with _no_autocast(input_ids.device):
@@ -593,6 +612,8 @@ class ClippedGradients:
     def _forward_hook(self, uses: list[_Use], module: nn.Module, args: tuple, kwargs: dict,
                       output: Tensor) -> Tensor | None:
         """Keep the layer input; hook the output so its gradient reaches `_on_grad`."""
+        if self._in_backward:  # a checkpointed block's forward rerun (see accumulate)
+            return None
         b, length = self._batch
         x = uses[0].handler.module_input(module, args, kwargs)
         if not isinstance(x, Tensor) or not isinstance(output, Tensor):

@@ -544,6 +544,9 @@ def train(
     dist = distributed.current_context() if dist is None else dist
     device = distributed.rank_device(settings.device, dist) if dist is not None else resolve_device(settings.device)
     model.to(device)
+    if settings.gradient_checkpointing:
+        # non-reentrant: the kind DP clipping supports (its hooks see the first forward's graph)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if seeds.get("secret"):
         # Fresh entropy at every start; a resumed run restores the sampler's and

@@ -19,7 +19,8 @@ threads, gpus (data-parallel ranks give the one-process result up to float
 summation order), physical_batch_size (micro-batching sums the same clipped
 per-unit gradients, only in another order; the ledger still records the
 value the run used), checkpoint_every (a resumed run continues the same RNG
-streams), log_every_s, learning_rates (the rate is the {lr} wildcard),
+streams), log_every_s, gradient_checkpointing (recomputed activations give the
+same clipped sums: tests/test_lora.py), learning_rates (the rate is the {lr} wildcard),
 debug_step_log (an exception: it changes which train-log columns are
 written, not the model, so it is not in the fingerprint and a checkpoint
 resumes across it, but rule finetune carries it when on, so switching it
@@ -58,6 +59,7 @@ class TrainSettings:
     uls_examples_per_user: int | None = None
     log_every_s: float = 10.0
     debug_step_log: bool = False  # training.debug_step_log: which train-log columns are written (step_log)
+    gradient_checkpointing: bool = False  # training.gradient_checkpointing: memory only, the same clipped sums
 
     @classmethod
     def from_config(cls, config: dict, learning_rate: float) -> "TrainSettings":
@@ -74,6 +76,7 @@ class TrainSettings:
             precision=tr["precision"],
             uls_examples_per_user=tr.get("uls_examples_per_user"),
             debug_step_log=bool(tr.get("debug_step_log", False)),
+            gradient_checkpointing=bool(tr.get("gradient_checkpointing", False)),
         )
 
     def result_settings(self, device: str | None = None) -> dict[str, Any]:
