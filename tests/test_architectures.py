@@ -87,3 +87,42 @@ def test_clipped_sums_match_bruteforce(arch, lora, level):
         # absolute tolerance on the gradient's scale: some coordinates are zero up to rounding (OPT's key bias)
         torch.testing.assert_close(p.grad, w, rtol=rtol, atol=rtol * scale, msg=name)
     torch.testing.assert_close(stats["unit_norms"].double(), norms, rtol=rtol, atol=0.0)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    import pyarrow.compute as pc
+
+    from train_fixtures import tokens_table
+    from userdp.training.pool import build_pool
+
+    t = tokens_table(24, seed=5)
+    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
+    return build_pool(train, 3, seed=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_saved_checkpoint_trains_with_lora_and_reloads_merged(arch, pool, tmp_path):
+    """The user's way in: a folder saved with save_pretrained, loaded by the pipeline's loader, LoRA applied,
+    trained by the real engine (real clipping, noise), the adapter saved and reloaded merged on its base."""
+    from train_fixtures import SEQ, plan_for
+    from userdp.training import engine
+    from userdp.training.settings import TrainSettings
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(arch)).save_pretrained(tmp_path / "base")
+    model = models.apply_lora(models.load_model(tmp_path / "base"), {"r": 4, "alpha": 8, "dropout": 0.0,
+                                                                     "target_modules": None}, seed=0)
+    plan = plan_for(pool, "uls", expected=3.0, steps=2, sigma=0.8, clip=0.5)
+    settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, device="cpu",
+                             log_every_s=0.0)
+    out = engine.train(model, pool, plan, settings, engine.RunPaths(tmp_path / "run"),
+                       engine.run_seeds(0, 0, "t", "uls", "8", 100, 3, 0.01), 0, compute_epsilon=lambda e, d: 1.0)
+    assert out.complete and out.ledger["adapter"]["type"] == "lora"
+    ids = torch.randint(3, 40, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.eval()(input_ids=ids).logits
+        got = models.load_model(tmp_path / "run" / "model").eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
