@@ -2,8 +2,8 @@
 
 Tiny random configs built with transformers' own config classes (no
 download): GPT-2 (Conv1D, learned positions), Llama, Mistral, Qwen2, Qwen3
-(per-head q/k RMSNorm), Gemma and Gemma 2 ((1 + weight) RMSNorm, scaled
-embedding, soft-capping), Phi-3 (fused qkv and gate/up projections),
+(per-head q/k RMSNorm), Gemma, Gemma 2 and Gemma 3 ((1 + weight) RMSNorm,
+scaled embedding, soft-capping; Gemma 3's q/k norms on [B, H, L, D]), Phi-3 (fused qkv and gate/up projections),
 GPT-NeoX (Pythia), OPT (learned positions with an offset, tokens flattened
 in the feed-forward block) and OLMo 2, tied and untied embeddings. For each,
 the clipped per-unit sums of DP clipping equal one backward per example
@@ -42,13 +42,16 @@ def _config(arch: str):
                            max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
                            **SPECIAL)
     classes = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
-               "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "phi3": T.Phi3Config, "olmo2": T.Olmo2Config}
-    extra = {"head_dim": 8} if arch in ("qwen3", "gemma", "gemma2") else {}
+               "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3": T.Gemma3TextConfig, "phi3": T.Phi3Config,
+               "olmo2": T.Olmo2Config}
+    extra = {"head_dim": 8} if arch in ("qwen3", "gemma", "gemma2", "gemma3") else {}
+    if arch == "gemma3":
+        extra["sliding_window"] = 4  # its local-attention layers, shorter than the test rows
     return classes[arch](**DECODER, **extra, **SPECIAL)
 
 
-ARCHS = ["gpt2", "llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gptneox", "opt",
-         "olmo2"]
+ARCHS = ["gpt2", "llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "gptneox",
+         "opt", "olmo2"]
 
 
 def _model(arch: str, lora: bool) -> torch.nn.Module:

@@ -8,7 +8,8 @@ gradients of the big matrices blindly and never runs one backward per unit:
 1. forward with hooks on every parameterised module of a registered layer
    type (`LAYER_HANDLERS`: Linear, GPT-2 Conv1D, Embedding, Gemma's scaled
    Embedding, OPT's offset positions, LayerNorm, Llama's and Gemma's
-   RMSNorm, also per head as in Qwen3; layers that flatten tokens to
+   RMSNorm, also per head as in Qwen3 ([B, L, H, D]) and Gemma 3
+   ([B, H, L, D]); layers that flatten tokens to
    [B * L, ...] are seen per token too): the layer inputs are kept and the outputs get a tensor hook that
    receives the output gradient, which the layer's handler turns into
    gradient pieces;
@@ -46,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -405,6 +407,14 @@ def _collect_uses(model: nn.Module) -> tuple[list[nn.Parameter], list[_Use]]:
     return list(seen.values()), uses
 
 
+def _unflatten(batch_length: tuple[int, int], g: Tensor) -> Tensor:
+    return g.reshape(*batch_length, *g.shape[1:])
+
+
+def _heads_last(g: Tensor) -> Tensor:
+    return g.transpose(1, 2)
+
+
 def _reentrant_checkpointing(model: nn.Module) -> bool:
     """Whether a model's gradient checkpointing (transformers') is the reentrant kind (or of unknown kind)."""
     for module in model.modules():
@@ -619,9 +629,15 @@ class ClippedGradients:
         if not isinstance(x, Tensor) or not isinstance(output, Tensor):
             raise RuntimeError(f"DP clipping: could not find the input/output tensor of {type(module).__name__}")
         x, output, replaced = uses[0].handler.layer_input(x, output, b)
-        flat = x.dim() >= 2 and x.shape[0] == b * length and tuple(x.shape[:2]) != (b, length)
-        if flat:  # tokens flattened to [B * L, ...] (OPT's feed-forward block): the rows are still the tokens
+        fix_g = None  # how the output gradient is brought to the [B, L, ...] layout x is brought to here
+        if x.dim() >= 2 and x.shape[0] == b * length and tuple(x.shape[:2]) != (b, length):
+            # tokens flattened to [B * L, ...] (OPT's feed-forward block): the rows are still the tokens
             x = x.reshape(b, length, *x.shape[1:])
+            fix_g = functools.partial(_unflatten, (b, length))
+        elif x.dim() == 4 and x.shape[0] == b and x.shape[2] == length and x.shape[1] != length:
+            # heads before tokens, [B, H, L, D] (Gemma 3's q/k norms after the transpose)
+            x = x.transpose(1, 2)
+            fix_g = _heads_last
         if tuple(x.shape[:2]) != (b, length):
             raise RuntimeError(f"DP clipping: layer {type(module).__name__} saw input of shape {tuple(x.shape)}, "
                                f"expected leading dims {(b, length)} (batch, sequence)")
@@ -630,11 +646,11 @@ class ClippedGradients:
             output.requires_grad_(True)
         x = x.detach()
         version = x._version
-        output.register_hook(functools.partial(self._on_grad, uses, module, x, version, (b, length) if flat else None))
+        output.register_hook(functools.partial(self._on_grad, uses, module, x, version, fix_g))
         return replaced
 
     def _on_grad(self, uses: list[_Use], module: nn.Module, x: Tensor, version: int,
-                 unflatten: tuple[int, int] | None, g: Tensor) -> None:
+                 fix_g: Callable[[Tensor], Tensor] | None, g: Tensor) -> None:
         """Turn (layer input, output gradient) into per-parameter records, or reduce them at once."""
         if x._version != version:
             raise RuntimeError(f"DP clipping: the input of {type(module).__name__} was modified in place after "
@@ -642,8 +658,8 @@ class ClippedGradients:
         layout = self._layout
         with _no_autocast(g.device):
             g = g.detach()
-            if unflatten is not None:
-                g = g.reshape(*unflatten, *g.shape[1:])
+            if fix_g is not None:
+                g = fix_g(g)
             for use in uses:
                 st = self._states[id(use.param)]
                 piece = use.handler.piece(module, use.role, x, g, gn.norm_dtype(use.param.dtype))
