@@ -257,7 +257,9 @@ def test_budget_below_one_example_per_step_is_refused():
         validate_config(with_(mean_estimation={"budgets": [{"compute": 5, "steps": 10}]}))
 
 
-def test_dataset_keys_are_checked_per_source_at_validation():
+def test_dataset_keys_are_checked_per_source_at_validation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.csv").write_text("u,text\n1,a\n")
     cfg = {"datasets": {"tiny": {"source": "local", "path": "x.csv", "user_colum": "author"}}}
     with pytest.raises(ConfigError) as exc:
         validate_config(cfg)
@@ -401,7 +403,7 @@ def test_huge_or_infinite_grid_epsilon_is_refused():
         with pytest.raises(ConfigError) as exc:
             validate_config(with_(grid={"epsilons": [1, eps]}))
         msg = str(exc.value)
-        assert "grid.epsilons has" in msg and "use inf for the non-private reference" in msg.lower()
+        assert "grid.epsilons" in msg and "for the non-private reference (eps = inf) do not list it" in msg.lower()
         assert "grid.nonprivate: true" in msg
 
 
@@ -410,3 +412,36 @@ def test_same_number_twice_in_a_path_list_is_refused():
         validate_config(with_(grid={"epsilons": [1, 1.0]}))
     with pytest.raises(ConfigError, match=r"training.learning_rates lists the same number twice.*lr~0.001"):
         validate_config(with_(training={"learning_rates": [0.001, 1.0e-3]}))
+
+
+def test_local_dataset_path_is_checked_at_start_up(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"datasets\.mine\.path is required for source 'local'"):
+        validate_config({"datasets": {"mine": {"source": "local"}}})
+    with pytest.raises(ConfigError, match=r"datasets\.mine\.path is data/posts\.csv, which does not exist"):
+        validate_config({"datasets": {"mine": {"source": "local", "path": "data/posts.csv"}}})
+    (tmp_path / "data").mkdir()
+    with pytest.raises(ConfigError, match=r"datasets\.mine\.path is data, which is not a file"):
+        validate_config({"datasets": {"mine": {"source": "local", "path": "data"}}})
+    (tmp_path / "data" / "posts.csv").write_text("user_id,text\n1,a\n")
+    validate_config({"datasets": {"mine": {"source": "local", "path": "data/posts.csv"}}})
+
+
+@pytest.mark.parametrize("section, key, value, where", [
+    ("grid", "epsilons", [1, math.nan], "grid.epsilons.1' is NaN"),
+    ("privacy", "clip_norm", math.nan, "privacy.clip_norm' is NaN"),
+    ("privacy", "delta", math.inf, "privacy.delta' is infinite"),
+    ("training", "learning_rates", [-math.inf], "training.learning_rates.0' is -infinite"),
+    ("audit", "epsilons", [math.inf], "audit.epsilons.0' is infinite"),
+])
+def test_nan_and_infinite_numbers_are_refused_naming_the_key(section, key, value, where):
+    with pytest.raises(ConfigError, match=re.escape(where)) as exc:
+        validate_config(with_(**{section: {key: value}}))
+    if "epsilons" in key and "NaN" not in where:
+        assert "grid.nonprivate: true" in str(exc.value)  # where the non-private reference comes from
+
+
+def test_the_string_inf_gets_the_non_private_hint():
+    with pytest.raises(ConfigError, match="is the string 'inf', not a number") as exc:
+        validate_config(with_(grid={"epsilons": ["inf"]}))
+    assert "grid.nonprivate: true" in str(exc.value) and "with a dot" not in str(exc.value)

@@ -164,3 +164,14 @@ def test_config_errors(tmp_path):
         _source(tmp_path / "d.csv", url="http://x")
     with pytest.raises(ConfigError, match=r"datasets\.mine\.path is required"):
         make_local("mine", {"source": "local"}, tmp_path)
+
+
+def test_jsonl_with_integer_and_string_ids_is_refused(tmp_path):
+    """7 and "7" would become one user and change the contribution counts silently: refused, naming both lines."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"user_id": 7, "text": "a"}\n{"user_id": 8, "text": "b"}\n{"user_id": "7", "text": "c"}\n')
+    msg = _read_error(_source(path))
+    assert "mixed.jsonl" in msg and "line 3" in msg and "line 1's is an integer" in msg and "one type" in msg
+    one_type = tmp_path / "ints.jsonl"
+    one_type.write_text('{"user_id": 7, "text": "a"}\n{"user_id": 8, "text": "b"}\n')
+    assert [r[0] for r in _rows(_source(one_type))] == ["7", "8"]

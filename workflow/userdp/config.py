@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,10 @@ def _describe(err: jsonschema.ValidationError) -> str:
         return f"config key '{key}' is {err.instance!r}; it must be one of: {' or '.join(opts)}."
     if err.validator == "required":
         return f"config key '{key}' misses required key(s): {err.message}."
+    if err.validator == "type" and isinstance(err.instance, str) and _looks_numeric(err.instance) \
+            and not math.isfinite(float(err.instance)):
+        return (f"config key '{key}' is the string {err.instance!r}, not a number, and no number there may be "
+                f"infinite or NaN. {NONPRIVATE_HINT}")
     if err.validator == "type" and isinstance(err.instance, str) and _looks_numeric(err.instance):
         # PyYAML (YAML 1.1) reads 1e-6 or 1e3 without a dot as a string
         return (
@@ -103,6 +108,30 @@ def _describe(err: jsonschema.ValidationError) -> str:
     return f"config key '{key}' is invalid: {err.message}{hint}. See config/README.md."
 
 
+#: How to get the non-private reference, for messages about infinite epsilons.
+NONPRIVATE_HINT = ("For the non-private reference (eps = inf) do not list it: grid.nonprivate: true (the default) "
+                   "adds it to every method and budget (audit.nonprivate for the audit).")
+
+
+def _check_finite(obj: Any, source: str, path: str = "") -> None:
+    """Refuse NaN and +-inf anywhere in the config (YAML's .nan / .inf): every number of it must be finite.
+
+    The schema cannot: NaN passes every minimum/maximum (its comparisons are false) and would surface later as
+    eps~nan paths or a silent wrong computation.
+    """
+    if isinstance(obj, float) and not math.isfinite(obj):
+        what = "NaN (.nan)" if math.isnan(obj) else f"{'-' if obj < 0 else ''}infinite (.inf)"
+        hint = NONPRIVATE_HINT if not math.isnan(obj) and "epsilon" in path else "Give a finite number."
+        raise ConfigError(f"{source}: config key '{path}' is {what}; every number in the config must be finite. "
+                          f"{hint} See config/README.md.")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_finite(v, source, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_finite(v, source, f"{path}.{i}")
+
+
 def validate_config(config: dict, source: str = "config") -> dict:
     """Validate `config` in place against the schema, filling defaults; return it.
 
@@ -112,6 +141,7 @@ def validate_config(config: dict, source: str = "config") -> dict:
     place (`sort_keys_in_place`). Raises ConfigError naming the first offending
     key (sorted by path). Idempotent: validating a validated config changes nothing.
     """
+    _check_finite(config, source)
     schema = load_schema()
     errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
@@ -225,6 +255,26 @@ def _check_dataset_keys(config: dict, source: str) -> None:
                 check_public_spec(name, spec["public"])
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+        if spec["source"] == "local":
+            _check_local_path(name, spec, source)
+
+
+def _check_local_path(name: str, spec: dict, source: str) -> None:
+    """A local dataset's file must be given and exist before anything runs (not when its job starts).
+
+    Relative paths are relative to the working directory (Snakemake's --directory), as the loader reads them.
+    """
+    path = spec.get("path")
+    if not path:
+        raise ConfigError(f"{source}: datasets.{name}.path is required for source 'local': the Parquet, JSONL or "
+                          "CSV file with one row per example (config/README.md, 'Your own data').")
+    p = Path(str(path)).expanduser()
+    if not p.exists():
+        raise ConfigError(f"{source}: datasets.{name}.path is {path}, which does not exist (looked in "
+                          f"{p.resolve()}); fix the path (relative paths start at the working directory).")
+    if not p.is_file():
+        raise ConfigError(f"{source}: datasets.{name}.path is {path}, which is not a file; point it at one "
+                          "Parquet, JSONL or CSV file.")
 
 
 # Files that come with a saved Hugging Face tokenizer.
@@ -290,8 +340,7 @@ def _check_path_numbers(config: dict, source: str) -> None:
         if float(eps) >= MAX_FINITE_EPSILON:
             raise ConfigError(
                 f"{source}: grid.epsilons has {fmt_num(eps)}; epsilons of 1e15 and above are not supported (no "
-                "study needs them). Use inf for the non-private reference: grid.nonprivate: true adds it (eps~inf) "
-                "to every method and budget."
+                f"study needs them). {NONPRIVATE_HINT}"
             )
     for key, prefix, values in (("grid.epsilons", "eps~", config["grid"]["epsilons"]),
                                 ("training.learning_rates", "lr~", config["training"]["learning_rates"])):

@@ -261,6 +261,7 @@ class LocalSource:
 
         offset = 0
         seen_keys: list[str] | None = None
+        id_kind: tuple[str, int] | None = None  # the first user id's type and its line
         with open(self.path, "rb") as fh:
             for lineno, raw in enumerate(fh, 1):
                 start, offset = offset, offset + len(raw)
@@ -289,10 +290,20 @@ class LocalSource:
                 if self.user_column not in obj:
                     raise self._err(f"line {lineno} has no key '{self.user_column}' (keys: {list(obj)}).")
                 user = obj[self.user_column]
-                if isinstance(user, int) and not isinstance(user, bool):
-                    user = str(user)
-                elif user is not None and not isinstance(user, str):
+                if user is not None and not isinstance(user, (int, str)) or isinstance(user, bool):
                     raise self._err(f"line {lineno}: '{self.user_column}' is {user!r}; user ids must be strings or integers.")
+                if user is not None:
+                    # one id type per file: 7 and "7" would become the same user, silently changing the
+                    # contribution counts the guarantee rests on
+                    kind = "an integer" if isinstance(user, int) else "a string"
+                    if id_kind is None:
+                        id_kind = (kind, lineno)
+                    elif kind != id_kind[0]:
+                        raise self._err(
+                            f"line {lineno}: user id {user!r} is {kind}, but line {id_kind[1]}'s is {id_kind[0]}; "
+                            f"mixed id types would merge users such as 7 and \"7\" into one. Write every "
+                            f"'{self.user_column}' with one type (all strings, or all integers).")
+                    user = str(user) if isinstance(user, int) else user
                 text = obj.get(self.text_column)
                 if text is not None and not isinstance(text, str):
                     raise self._err(f"line {lineno}: '{self.text_column}' is a {type(text).__name__}, not a string.")
