@@ -112,3 +112,12 @@ def test_dataset_without_validation_or_test_users_fails_at_plan_time():
         check_evaluation_users({"n_users": {"train": 10, "validation": 0, "test": 2}}, "d", "c.json")
     with pytest.raises(DataError, match=r"no validation and no test users"):
         check_evaluation_users({"n_users": {"train": 10}}, "d", "c.json")
+
+
+def test_delta_not_well_below_one_over_n_is_warned_with_a_fix():
+    from userdp.privacy.planner import delta_warning
+
+    warn = delta_warning(1 / 163 ** 1.1, 163, "1/N_train_users^1.1")
+    assert warn is not None and "163 train users" in warn and "privacy.delta" in warn and "6e-05" in warn
+    assert delta_warning(1e-6, 163, "privacy.delta") is None
+    assert delta_warning(1 / 20000 ** 1.1, 20000, "1/N_train_users^1.1") is None  # 20000^-0.1 = 0.37

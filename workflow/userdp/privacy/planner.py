@@ -19,6 +19,7 @@ train users' counts; expected compute is K on those estimates.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Sequence
 
@@ -32,6 +33,8 @@ from .contributions import Contributions, ExactCounts
 from .group_size import choose_group_size
 from .mechanism import Mechanism, Sampling
 from .selection import Selection
+
+log = logging.getLogger(__name__)
 
 
 def default_delta(n_train_users: int, exponent: float = 1.1) -> float:
@@ -53,6 +56,23 @@ def resolve_delta(privacy: dict, n_train_users: int) -> tuple[float, str]:
         return float(privacy["delta"]), "privacy.delta"
     exp = float(privacy.get("delta_exponent", 1.1))
     return default_delta(n_train_users, exp), f"1/N_train_users^{exp:g}"
+
+
+#: delta * N above this is "not well below 1/N" (plan field delta_warning). The default rule 1/N^1.1 crosses it
+#: below about 1000 train users (N^-0.1 > 0.5).
+DELTA_TIMES_N_WARNING = 0.5
+
+
+def delta_warning(delta: float, n_train_users: int, rule: str) -> str | None:
+    """A warning when delta is not well below 1/N (the usual requirement: a mechanism that leaks one random user's
+    data entirely is (0, 1/N)-DP), with how to choose it; None when delta * N <= DELTA_TIMES_N_WARNING."""
+    n = int(n_train_users)
+    if n < 1 or delta * n <= DELTA_TIMES_N_WARNING:
+        return None
+    return (f"delta = {delta:.3g} ({rule}) is {delta * n:.2f} / N for N = {n} train users, not well below 1/N: a "
+            "mechanism that publishes one random user's data outright is (0, 1/N)-DP, so the guarantee says little "
+            f"about any one user. Set privacy.delta well below 1/N (e.g. {0.01 / n:.1g} = 0.01 / N) or raise "
+            "privacy.delta_exponent; more users make the default rule 1/N^1.1 safer.")
 
 
 def _contributions(counts: np.ndarray, privacy: dict, stats: NoisyHistogram | None, cell: str,
@@ -143,6 +163,9 @@ def plan_cell(
     if counts.size == 0:
         raise PrivacyError(f"{cell}: the dataset has no train users; check the data split.")
     delta, delta_rule = resolve_delta(privacy, int(counts.size))
+    warn_delta = delta_warning(delta, int(counts.size), delta_rule)
+    if warn_delta:
+        log.warning("%s: %s", cell, warn_delta)
     private = not math.isinf(epsilon)
     eps_for_g = epsilon if private or reference_epsilon is None else float(reference_epsilon)
     contributions = _contributions(counts, privacy, stats, cell, (epsilon, eps_for_g))
@@ -161,6 +184,7 @@ def plan_cell(
     plan = _plan_record(dataset, mech, sampling, epsilon, delta, delta_rule, rule, sigma, eps_ach, compute_budget,
                         privacy, sizes, calibration, extra)
     plan.update(_selection_fields(selection, mech, sigma, eps_ach, delta, extra))
+    plan["delta_warning"] = warn_delta
     if stats is not None:
         plan["contribution_statistics"] = (
             "private: Laplace histogram composed into epsilon; G, N_G and mbar_G come from the histogram, only "
