@@ -121,3 +121,16 @@ def test_delta_not_well_below_one_over_n_is_warned_with_a_fix():
     assert warn is not None and "163 train users" in warn and "privacy.delta" in warn and "6e-05" in warn
     assert delta_warning(1e-6, 163, "privacy.delta") is None
     assert delta_warning(1 / 20000 ** 1.1, 20000, "1/N_train_users^1.1") is None  # 20000^-0.1 = 0.37
+
+
+def test_a_group_size_above_every_users_count_is_explained():
+    import numpy as np
+
+    from userdp.privacy.contributions import ExactCounts
+    from userdp.privacy.planner import group_size_note
+
+    counts = np.array([1, 3, 60, 5])
+    note = group_size_note("els", 1000, counts, ExactCounts(counts))
+    assert "G = 1000 but the largest train user has 60 examples" in note and "G = 60" in note and "noise" in note
+    assert "ULS clips each user" in group_size_note("uls", 1000, counts, ExactCounts(counts))
+    assert group_size_note("els", 60, counts, ExactCounts(counts)) is None

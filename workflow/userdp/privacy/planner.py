@@ -75,6 +75,23 @@ def delta_warning(delta: float, n_train_users: int, rule: str) -> str | None:
             "privacy.delta_exponent; more users make the default rule 1/N^1.1 safer.")
 
 
+def group_size_note(method: str, group_size: int, counts: np.ndarray, contributions: Contributions) -> str | None:
+    """What a G above every train user's count means for the data at hand (None otherwise, or with DP
+    contribution statistics, where the largest count is not public)."""
+    if contributions.dp_events or counts.size == 0:
+        return None
+    largest = int(np.max(counts))
+    if group_size <= largest:
+        return None
+    if method == "els":
+        return (f"G = {group_size} but the largest train user has {largest} examples: bounding at G keeps every "
+                f"example, yet the accountant charges each user for up to G examples, so noise grows with G for "
+                f"nothing; G = {largest} gives the same pool with less noise.")
+    return (f"G = {group_size} but the largest train user has {largest} examples: bounding at G keeps every example "
+            f"(ULS clips each user to C whatever its size, so privacy is unchanged); G = {largest} trains on the "
+            "same data.")
+
+
 def _contributions(counts: np.ndarray, privacy: dict, stats: NoisyHistogram | None, cell: str,
                    epsilons: tuple[float, ...]) -> Contributions:
     """What the G rules read: the exact counts, or the DP histogram when the option is on (checked)."""
@@ -173,18 +190,27 @@ def plan_cell(
                                        steps=steps, epsilon=eps_for_g, delta=delta, explicit=group_size, cell=cell,
                                        selection=selection)
     # N_G and mbar_G: exact from the counts, or estimated from the DP release (never the exact counts).
+    g_note = group_size_note(method, G, counts, contributions)
+    if g_note:
+        log.warning("%s: %s", cell, g_note)
     sizes = planning_sizes(contributions, int(counts.size), G)
     mech, sampling = mechanism.get(method).for_budget(compute_budget, steps, G, sizes.n_users, sizes.n_bounded,
                                                       sizes.mean_bounded, where=cell)
     extra = contributions.dp_events
     if private:
-        sigma, eps_ach, calibration = _calibrate(mech, epsilon, delta, privacy, extra, cell, stats, selection)
+        try:
+            sigma, eps_ach, calibration = _calibrate(mech, epsilon, delta, privacy, extra, cell, stats, selection)
+        except PrivacyError as exc:
+            if not g_note:
+                raise
+            raise PrivacyError(f"{exc} Note: {g_note}") from exc
     else:
         sigma, eps_ach, calibration = 0.0, math.inf, None
     plan = _plan_record(dataset, mech, sampling, epsilon, delta, delta_rule, rule, sigma, eps_ach, compute_budget,
                         privacy, sizes, calibration, extra)
     plan.update(_selection_fields(selection, mech, sigma, eps_ach, delta, extra))
     plan["delta_warning"] = warn_delta
+    plan["group_size_note"] = g_note
     if stats is not None:
         plan["contribution_statistics"] = (
             "private: Laplace histogram composed into epsilon; G, N_G and mbar_G come from the histogram, only "
