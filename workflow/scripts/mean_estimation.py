@@ -10,17 +10,16 @@ import time
 from userdp.errors import run_main
 from userdp.experiments import mean_estimation as me
 from userdp.experiments.blas_threads import blas_threads
-from userdp.io import write_parquet
+from userdp.io import read_frame, write_parquet
 from userdp.logutil import Progress, setup_logging
 
-import pandas as pd
 
 log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
     spec = me.MeanEstimationSpec.from_config(snakemake.config)
-    calibration = pd.read_parquet(snakemake.input.calibration)
+    calibration = read_frame(snakemake.input.calibration)
     progress = Progress(log, None, "mean-estimation runs", every_s=5.0)
     start = time.monotonic()
     # Thousands of tiny matrix products: one BLAS thread is much faster than

@@ -18,6 +18,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import DataError
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | None = None) -> Iterator[Path]:
@@ -98,16 +100,60 @@ def write_parquet(path: str | os.PathLike, table: pa.Table | Any) -> None:
         pq.write_table(table, tmp)
 
 
-def streaming_parquet(path: str | os.PathLike) -> pq.ParquetFile:
+@contextlib.contextmanager
+def parquet_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Turn pyarrow's errors on an unreadable artifact (truncated, not Parquet) into a DataError naming it.
+
+    For the pipeline's own Parquet artifacts: the fix is to rebuild the file. (User data files are read by
+    their loaders, which say what is wrong with the file and how to fix it.)
+    """
+    try:
+        yield
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist; rerun snakemake to build it (the rule that writes it "
+                        "runs first).") from None
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{path} is not a readable Parquet file ({reason}): it was truncated or overwritten. It is "
+                        "a pipeline artifact: delete it and rerun snakemake, which rebuilds it with the rule that "
+                        "writes it (and whatever depends on it).") from None
+
+
+def streaming_parquet(path: str | os.PathLike, artifact: bool = True) -> pq.ParquetFile:
     """A ParquetFile to read in batches (`iter_batches`) with memory bounded by one batch.
 
     pyarrow's default `pre_buffer=True` fetches the requested columns of every
     row group ahead of the batches (meant for high-latency object stores):
     the peak then grows with the file (measured: 169 MB for 2M rows, 394 MB
     for 8M rows of one list column) instead of staying at one row group's
-    worth (98 MB for both). Local files gain nothing from it.
+    worth (98 MB for both). Local files gain nothing from it. An unreadable
+    artifact is a DataError naming it (`parquet_errors`); artifact=False (a
+    user's data file) leaves pyarrow's error to the loader, which explains it.
     """
-    return pq.ParquetFile(path, pre_buffer=False)
+    if not artifact:
+        return pq.ParquetFile(path, pre_buffer=False)
+    with parquet_errors(path):
+        return pq.ParquetFile(path, pre_buffer=False)
+
+
+def read_table(path: str | os.PathLike, **kwargs: Any) -> pa.Table:
+    """pq.read_table of a pipeline artifact; an unreadable file is a DataError naming it."""
+    with parquet_errors(path):
+        return pq.read_table(path, **kwargs)
+
+
+def read_frame(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """pandas.read_parquet of a pipeline artifact; an unreadable file is a DataError naming it."""
+    import pandas as pd
+
+    with parquet_errors(path):
+        return pd.read_parquet(path, **kwargs)
+
+
+def read_schema(path: str | os.PathLike) -> pa.Schema:
+    """The Arrow schema of a pipeline artifact's Parquet file; an unreadable file is a DataError naming it."""
+    with parquet_errors(path):
+        return pq.read_schema(path)
 
 
 class ParquetBatchWriter:

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import ConfigError, DataError
-from ..io import ParquetBatchWriter, streaming_parquet
+from ..io import ParquetBatchWriter, read_table, streaming_parquet
 from ..seeding import seed_sequence, user_hashes
 
 CANARY_PREFIX = "canary-"
@@ -118,12 +118,11 @@ def make_canaries(spec: CanarySpec, meta: dict, config_seed: int, dataset: str) 
 
 def read_canaries(path: str | Path) -> pa.Table:
     """canaries.parquet, checked for its columns and for both included and excluded canaries."""
-    import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path} does not exist; run rule audit_canaries first.")
-    table = pq.read_table(path)
+    table = read_table(path)
     missing = [c for c in CANARY_COLUMNS if c not in table.column_names]
     if missing:
         raise DataError(f"{path} lacks column(s) {missing}; rebuild it with rule audit_canaries.")

@@ -181,7 +181,7 @@ class LocalSource:
 
     def _iter_parquet(self, batch_rows: int) -> Iterator[pa.RecordBatch]:
         try:
-            pf = streaming_parquet(self.path)
+            pf = streaming_parquet(self.path, artifact=False)
         except (pa.ArrowInvalid, OSError) as exc:
             raise self._err(f"not a valid Parquet file ({exc}); check the file or set datasets.{self.name}.format.") from exc
         names = pf.schema_arrow.names

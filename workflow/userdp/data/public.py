@@ -197,7 +197,7 @@ class PublicCorpus:
     def _iter_parquet_file(self, path: Path, batch_rows: int, column: str | None = None) -> Iterator[pa.Array]:
         column = column or self.text_column
         try:
-            pf = streaming_parquet(path)
+            pf = streaming_parquet(path, artifact=False)
         except (OSError, pa.ArrowException) as exc:
             raise DataError(f"{path} ({self.key}): not a readable Parquet file ({exc}).") from exc
         names = pf.schema_arrow.names

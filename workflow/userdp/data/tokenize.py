@@ -41,7 +41,6 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
 from ..io import ParquetBatchWriter, streaming_parquet, write_json
@@ -98,7 +97,7 @@ def train_bpe(public_path: str | Path, vocab_size: int, out_dir: str | Path, bat
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     public_path = Path(public_path)
-    n_texts = pq.ParquetFile(public_path).metadata.num_rows
+    n_texts = streaming_parquet(public_path).metadata.num_rows
     if n_texts == 0:
         raise DataError(f"{public_path}: no public text to train the tokenizer on.")
     tok = Tokenizer(models.BPE())

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import pandas as pd
 
 from ..errors import DataError
-from ..io import atomic_path, read_json, write_parquet
+from ..io import atomic_path, read_frame, read_json, write_parquet
 from ..layout import Cell, cell_of_dir
 from ..privacy import seed_secrecy
 from .targets import SUMMARY_INPUTS
@@ -179,7 +179,7 @@ def build_summary(config: Mapping, inputs: Mapping[str, Sequence[str | os.PathLi
         ledger = _read_json(ledger_path, "ledger")
         metrics = _read_json(metrics_path, "metrics")
         log_path = Path(log_path)
-        train_log = pd.read_parquet(log_path) if log_path.exists() else None
+        train_log = read_frame(log_path) if log_path.exists() else None
         row = cell_row(cell, plan, ledger, metrics, train_log)
         rows.append(row)
         if train_log is not None and "step" in train_log.columns:

@@ -28,11 +28,11 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
+from ..io import read_schema
 from ..seeding import derive_seed_crc32
 from ..training.models import load_model, resolve_device
 
@@ -100,7 +100,7 @@ def load_eval_set(
     path = Path(tokens_path)
     if not path.exists():
         raise DataError(f"tokens table {path} does not exist; run the data stage first (results/data/<dataset>/tokens.parquet).")
-    names = set(pq.read_schema(path).names)
+    names = set(read_schema(path).names)
     missing = [c for c in TOKENS_COLUMNS if c not in names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; expected at least {list(TOKENS_COLUMNS)}.")

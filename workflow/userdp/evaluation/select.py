@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..errors import DataError
-from ..io import read_json, write_json
+from ..io import read_frame, read_json, write_json
 from ..training.ledger import MECHANISM_FIELDS, guarantee_epsilon, run_event
 from ..layout import fmt_num
 from ..privacy.selection import Selection
@@ -126,14 +126,13 @@ def copy_train_log(src: str | os.PathLike, dst: str | os.PathLike, debug_step_lo
     Without training.debug_step_log the per-step noise-free columns (batch loss, realised sizes, timing) never
     reach the cell, also from a run trained while the option was on.
     """
-    import pandas as pd
 
     from ..io import write_parquet
     from ..training.step_log import released_columns
 
     if not Path(src).exists():
         raise DataError(f"{src} does not exist; the training rule should have written it.")
-    frame = pd.read_parquet(src)
+    frame = read_frame(src)
     write_parquet(dst, frame[[c for c in released_columns(debug_step_log) if c in frame.columns]])
 
 

@@ -6,9 +6,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
 
-from ..io import atomic_path  # noqa: E402
+from ..io import atomic_path, read_frame  # noqa: E402
 
 STYLE = {
     "els": {"color": "tab:blue", "marker": "o", "linestyle": "-"},
@@ -28,7 +27,7 @@ def plot_noise_vs_group_size(parquet_path: str, png_path: str, pdf_path: str) ->
     Targets no sigma up to the configured maximum reaches (group privacy at
     large G) are drawn as an open marker at the top edge, labelled.
     """
-    df = pd.read_parquet(parquet_path)
+    df = read_frame(parquet_path)
     epsilons = sorted(df["epsilon"].unique())
     q, T, delta = df["sampling_rate"].iloc[0], int(df["steps"].iloc[0]), df["delta"].iloc[0]
     n = len(epsilons)

@@ -44,12 +44,10 @@ DrawFn = Callable[[Callable[..., Any], Mapping[str, str], str, str, "str | None"
 
 def _load(path: str) -> Any:
     """A Parquet table as a DataFrame, a JSON file as a dict."""
+    from ..io import read_frame, read_json
+
     if path.endswith(".parquet"):
-        import pandas as pd
-
-        return pd.read_parquet(path)
-    from ..io import read_json
-
+        return read_frame(path)
     return read_json(path)
 
 

@@ -317,12 +317,11 @@ def planning_sizes(contributions: Contributions, n_users: int, group_size: int) 
 
 def read_train_counts(users_path: str) -> np.ndarray:
     """Example counts of the train users from results/data/{dataset}/users.parquet."""
-    import pyarrow.parquet as pq
-
     from ..errors import DataError
+    from ..io import read_table
 
     try:
-        table = pq.read_table(users_path, columns=["user_id", "split", "n_examples"])
+        table = read_table(users_path, columns=["user_id", "split", "n_examples"])
     except FileNotFoundError as exc:
         raise DataError(f"{users_path} does not exist; run the data rules first.") from exc
     except (KeyError, ValueError) as exc:  # missing columns, not Parquet

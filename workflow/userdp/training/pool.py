@@ -32,10 +32,9 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ..errors import DataError
-from ..io import streaming_parquet
+from ..io import read_table, streaming_parquet
 from ..seeding import row_keys, user_hashes
 
 TOKEN_COLUMNS = ["user_id", "example_id", "split", "input_ids"]
@@ -76,7 +75,7 @@ def _check_tokens_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path} does not exist; run the data stage (rule tokenize) first.")
-    names = pq.ParquetFile(path).schema_arrow.names
+    names = streaming_parquet(path).schema_arrow.names
     missing = [c for c in TOKEN_COLUMNS if c not in names]
     if missing:
         raise DataError(f"{path} lacks column(s) {missing}; a tokens table needs {TOKEN_COLUMNS}. Rebuild it with the data stage.")
@@ -102,7 +101,7 @@ def read_train_tokens(path: str | Path) -> pa.Table:
     path = _check_tokens_file(path)
     # Splits must be user-disjoint: check on the id columns only, then read
     # the tokens of train rows alone (validation/test tokens are never loaded).
-    ids = pq.read_table(path, columns=["user_id", "split"])
+    ids = read_table(path, columns=["user_id", "split"])
     train_mask = pc.equal(ids["split"], "train")
     train_users = pc.unique(ids["user_id"].filter(train_mask))
     other_users = pc.unique(ids["user_id"].filter(pc.invert(train_mask)))
@@ -110,7 +109,7 @@ def read_train_tokens(path: str | Path) -> pa.Table:
     if len(shared):
         raise _overlap_error(path, shared.to_pylist())
     del ids
-    train = pq.read_table(path, columns=["user_id", "example_id", "input_ids"], filters=[("split", "==", "train")])
+    train = read_table(path, columns=["user_id", "example_id", "input_ids"], filters=[("split", "==", "train")])
     if train.num_rows == 0:
         raise _no_train_error(path)
     return train

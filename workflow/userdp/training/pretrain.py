@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
 from ..errors import ConfigError, DataError
+from ..io import read_table
 from ..seeding import derive_seed
 from .models import build_model, load_model, load_tokenizer, save_model_atomic, special_ids
 
@@ -31,7 +31,7 @@ def _load_public(path: str | Path, sequence_length: int) -> list[np.ndarray]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path} does not exist; run the data stage for the public dataset first.")
-    table = pq.read_table(path, columns=["input_ids"])
+    table = read_table(path, columns=["input_ids"])
     if table.num_rows == 0:
         raise DataError(f"{path} has no rows; the public corpus is empty.")
     col = table["input_ids"].combine_chunks()
