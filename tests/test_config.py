@@ -445,3 +445,16 @@ def test_the_string_inf_gets_the_non_private_hint():
     with pytest.raises(ConfigError, match="is the string 'inf', not a number") as exc:
         validate_config(with_(grid={"epsilons": ["inf"]}))
     assert "grid.nonprivate: true" in str(exc.value) and "with a dot" not in str(exc.value)
+
+
+def test_a_local_model_folder_that_does_not_exist_says_so(tmp_path):
+    """Not "set tokenizer.name to the same path" (which then fails with the hub's repo-id message)."""
+    missing = str(tmp_path / "my-llama")
+    with pytest.raises(ConfigError, match=r"model\.name is .*my-llama, a local path that does not exist"):
+        validate_config(with_(model={"name": missing}, tokenizer={"name": missing}))
+    (tmp_path / "my-llama").mkdir()
+    with pytest.raises(ConfigError, match=r"a folder without config\.json"):
+        validate_config(with_(model={"name": missing}, tokenizer={"name": missing}))
+    (tmp_path / "tok.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"tokenizer\.name is .*tok\.json, which is a file, not a folder"):
+        validate_config(with_(tokenizer={"name": str(tmp_path / "tok.json")}))

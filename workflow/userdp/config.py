@@ -287,8 +287,28 @@ def _is_folder_without_tokenizer(name: str) -> bool:
     return path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES)
 
 
+def _looks_like_path(name: str) -> bool:
+    """A model/tokenizer name meant as a local folder rather than a hub id ("org/name"): absolute, ./, ../, ~,
+    or an existing path."""
+    return name.startswith(("/", "./", "../", "~")) or Path(name).exists()
+
+
 def _check_model(config: dict, source: str) -> None:
     model, tok = config["model"], config["tokenizer"]
+    for key, name in (("model.name", model["name"]), ("tokenizer.name", tok["name"])):
+        if name is not None and _looks_like_path(str(name)):
+            p = Path(str(name)).expanduser()
+            if not p.exists():
+                raise ConfigError(f"{source}: {key} is {name}, a local path that does not exist (looked in "
+                                  f"{p.resolve()}); fix the path to the folder you saved with save_pretrained, or "
+                                  "give a Hugging Face model id such as gpt2-medium.")
+            if not p.is_dir():
+                raise ConfigError(f"{source}: {key} is {name}, which is a file, not a folder; give the folder "
+                                  "that save_pretrained wrote (config.json and the weights, or tokenizer.json).")
+            if key == "model.name" and not (p / "config.json").exists():
+                raise ConfigError(f"{source}: model.name is {name}, a folder without config.json, so not a model "
+                                  "saved with save_pretrained; point it at the folder that holds config.json and "
+                                  "the weights (*.safetensors).")
     if model["name"] is None:
         n_embd, n_head = int(model["n_embd"]), int(model["n_head"])
         if n_embd % n_head:
