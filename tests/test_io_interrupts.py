@@ -45,3 +45,18 @@ def test_sigterm_during_an_atomic_write_leaves_nothing(tmp_path, use_run_main):
         assert rc == 128 + signal.SIGTERM and leftovers == []
     else:  # Python's default action: killed, cleanup skipped (what run_main prevents)
         assert rc == -signal.SIGTERM and len(leftovers) == 1 and leftovers[0].startswith(".artifact.parquet.")
+
+
+def test_a_rerun_job_appends_to_its_log_and_marks_the_attempt(tmp_path):
+    """The log of a killed, then resumed job keeps the first attempt's lines (why it stopped)."""
+    import logging
+
+    from userdp.logutil import setup_logging
+
+    log_path = tmp_path / "job.log"
+    setup_logging(str(log_path)).info("first attempt: step 3/10")
+    setup_logging(str(log_path)).info("second attempt: resumed at step 3")
+    logging.getLogger().handlers.clear()
+    text = log_path.read_text()
+    assert text.index("first attempt") < text.index("===== attempt started") < text.index("second attempt")
+    assert text.count("===== attempt started") == 1  # the first attempt gets no header

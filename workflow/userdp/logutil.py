@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 
 
 def setup_logging(log_path: str | None = None, name: str = "userdp") -> logging.Logger:
-    """Configure the root logger to write to `log_path` (if given) and stderr."""
+    """Configure the root logger to write to `log_path` (if given) and stderr.
+
+    The log is appended to, so a resumed or rerun job keeps the earlier attempts' lines (why the first one
+    stopped), each attempt after the first starting with a `===== attempt ...` line.
+    """
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
-        handlers.append(logging.FileHandler(log_path, mode="w", encoding="utf-8"))
+        path = Path(log_path)
+        if path.exists() and path.stat().st_size > 0:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(f"\n===== attempt started {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}); "
+                         "earlier attempts above =====\n")
+        handlers.append(logging.FileHandler(log_path, mode="a", encoding="utf-8"))
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
