@@ -144,6 +144,8 @@ def test_every_figure_and_the_report(run):
     html = (run / "results/report.html").read_text(errors="replace")
     for name in FIGURES:
         assert f"{name}.png" in html, name
+    assert "metrics.csv" in html  # the summary table
+    assert "noise_vs_group_size.pdf" in html
 
 
 def test_second_invocation_does_nothing(run):

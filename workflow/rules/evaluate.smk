@@ -154,7 +154,14 @@ rule aggregate:
         unpack(lambda wc: eval_targets.summary_inputs(config, wc.dataset)),
     output:
         parquet=layout.SUMMARY,
-        csv=layout.SUMMARY_CSV,
+        # the summary table in the report (one row per run: plan, ledger and metrics; docs/artifacts.md)
+        csv=report(
+            layout.SUMMARY_CSV,
+            caption="../report/metrics_table.rst",
+            category="Language-model fine-tuning",
+            subcategory="{dataset}",
+            labels={"table": "metrics per cell", "dataset": "{dataset}"},
+        ),
         curves=layout.TRAIN_CURVES,
     log:
         layout.LOG_AGGREGATE,

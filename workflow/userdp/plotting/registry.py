@@ -172,7 +172,7 @@ CONTRIBUTIONS = Family(
     "contributions", "Data", _draw_contributions, datasets=lambda config: list(config["datasets"]),
     dataset_regex=datasets_regex, report_formats=("png",),
 )
-ACCOUNTING = Family("accounting", "Accounting", _draw_from_path, report_formats=("png",))
+ACCOUNTING = Family("accounting", "Accounting", _draw_from_path)  # PNG and PDF in the report
 
 
 def _audited_datasets(config: Mapping) -> list[str]:
