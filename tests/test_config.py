@@ -458,3 +458,19 @@ def test_a_local_model_folder_that_does_not_exist_says_so(tmp_path):
     (tmp_path / "tok.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"tokenizer\.name is .*tok\.json, which is a file, not a folder"):
         validate_config(with_(tokenizer={"name": str(tmp_path / "tok.json")}))
+
+
+def test_a_target_after_configfile_is_explained(tmp_path):
+    """snakemake -n --configfile my.yaml results/.../metrics.json: the target is read as a config file."""
+    import subprocess
+    import sys
+
+    # an existing JSON artifact parses as a config (others fail in snakemake's own parser, before the Snakefile)
+    target = tmp_path / "results" / "runs" / "synth" / "metrics.json"
+    target.parent.mkdir(parents=True)
+    target.write_text('{"test_loss": 4.1}')
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory",
+                           str(tmp_path), "--configfile", str(REPO / "config" / "config.yaml"), str(target)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "which look like targets" in proc.stdout + proc.stderr and "Put targets first" in proc.stdout + proc.stderr

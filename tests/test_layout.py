@@ -101,3 +101,13 @@ def test_only_layout_spells_plan_and_run_paths():
     offenders = [f"{f.relative_to(REPO)}: {text!r}" for f in _workflow_files()
                  for text in _LAYOUT_TEXT if text in f.read_text(encoding="utf-8")]
     assert not offenders, "path text outside userdp/layout.py (use its templates): " + "; ".join(offenders)
+
+
+def test_targets_given_to_configfile_are_recognised():
+    from userdp.layout import looks_like_artifact
+
+    for target in ["results/runs/synth/method~uls/eps~1/budget~8000/seed~0/metrics.json", "/w/results/report.html",
+                   "results/figures/x.png", "out/metrics.csv"]:
+        assert looks_like_artifact(target), target
+    for config_file in ["config/paper.yaml", "my.yaml", "settings.json", "/home/me/cfg.yml"]:
+        assert not looks_like_artifact(config_file), config_file

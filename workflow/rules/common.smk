@@ -9,6 +9,16 @@ from userdp.config import validate_config
 from userdp.errors import ConfigError
 from snakemake.exceptions import WorkflowError
 
+# A target written after --configfile is read as one more config file (argparse takes every word up to the
+# next option); an artifact read as config would then be reported as unknown config keys.
+_targets_as_config = [str(f) for f in workflow.overwrite_configfiles if layout.looks_like_artifact(str(f))]
+if _targets_as_config:
+    raise WorkflowError(
+        f"--configfile got {', '.join(_targets_as_config)}, which look like targets (pipeline artifacts), not "
+        "config files: --configfile takes every word after it. Put targets first: "
+        "snakemake TARGET ... --configfile my.yaml"
+    )
+
 try:
     validate_config(config, source="config (config/config.yaml and --configfile/--config)")
 except ConfigError as exc:

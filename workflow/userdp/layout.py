@@ -210,6 +210,18 @@ def fmt_num(x: float | int | str) -> str:
     return repr(v).replace("e+", "e")
 
 
+#: File endings of the pipeline's artifacts that a config file never has (config files may be YAML or JSON).
+ARTIFACT_SUFFIXES = (".parquet", ".csv", ".png", ".pdf", ".html", ".safetensors", ".log")
+
+
+def looks_like_artifact(path: str) -> bool:
+    """Whether `path` names a pipeline artifact (under results/, or with an artifact-only ending) rather than a
+    config file (a command-line word given to --configfile by mistake). A JSON file outside results/ may be a
+    config file."""
+    p = path.replace("\\", "/")
+    return p.startswith("results/") or "/results/" in p or p.endswith(ARTIFACT_SUFFIXES)
+
+
 def parse_num(text: str) -> float:
     """The number a path's eps~/lr~ text stands for (the inverse of fmt_num)."""
     return float(text)
