@@ -111,8 +111,11 @@ def test_every_registered_figure_has_a_caption_a_function_and_its_own_rule():
         assert registry.figure_of_rule(fig.rule) is fig
     # Every caption file of a figure is registered (the front page is the workflow's).
     # (audit_table captions the audit's HTML table, a report item of rule audit_summary, not a figure)
-    captions = {p.stem for p in (REPO / registry.CAPTION_DIR).glob("*.rst")} - {"workflow", "audit_table"}
+    # (metrics_table captions the summary table, a report item of rule aggregate)
+    captions = {p.stem for p in (REPO / registry.CAPTION_DIR).glob("*.rst")} - {"workflow", "audit_table",
+                                                                                "metrics_table"}
     assert "audit_table.rst" in (REPO / "workflow/rules/audit.smk").read_text()
+    assert "metrics_table.rst" in (REPO / "workflow/rules/evaluate.smk").read_text()
     assert captions == set(registry.FIGURES)
 
 

@@ -87,6 +87,10 @@ def test_local_llama_with_lora_through_the_pipeline(tmp_path):
 
 def test_example_llama_lora_config_dry_runs(tmp_path):
     """config/examples/llama-lora.yaml on top of the default: the DAG has LoRA runs writing adapters."""
+    folder = tmp_path / "models" / "Meta-Llama-3-8B"  # where the example expects the user's checkpoint
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "results/runs/stackoverflow/method~uls/eps~1/budget~1024000/seed~0/metrics.json",
          "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "-n",
