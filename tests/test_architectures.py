@@ -94,14 +94,9 @@ def test_clipped_sums_match_bruteforce(arch, lora, level):
 
 @pytest.fixture(scope="module")
 def pool():
-    import pyarrow.compute as pc
+    from train_fixtures import train_pool
 
-    from train_fixtures import tokens_table
-    from userdp.training.pool import build_pool
-
-    t = tokens_table(24, seed=5)
-    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
-    return build_pool(train, 3, seed=0)
+    return train_pool(24, 5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

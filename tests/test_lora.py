@@ -14,17 +14,15 @@
 
 from __future__ import annotations
 
-import pyarrow.compute as pc
 import pytest
 import torch
 
 from clipping_fixtures import batch, clipped_sum, fresh, per_unit_grads, tiny_gpt2, tiny_llama
-from train_fixtures import SEQ, plan_for, tokens_table
+from train_fixtures import SEQ, plan_for
 from userdp.config import validate_config
 from userdp.errors import ConfigError
 from userdp.training import engine, models
 from userdp.training.clipping import ClippedGradients
-from userdp.training.pool import build_pool
 from userdp.training.settings import TrainSettings
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}
@@ -78,9 +76,9 @@ def test_lora_clipped_sum_matches_bruteforce(arch, level, normalize):
 
 @pytest.fixture(scope="module")
 def pool():
-    t = tokens_table(24, seed=5)
-    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
-    return build_pool(train, 3, seed=0)
+    from train_fixtures import train_pool
+
+    return train_pool(24, 5)
 
 
 def _base():

@@ -9,15 +9,13 @@ from __future__ import annotations
 import os
 import stat
 
-import pyarrow.compute as pc
 import pytest
 import torch
 
-from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model, tokens_table
+from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model
 from userdp.errors import DataError
 from userdp.training import checkpoint as ckpt
 from userdp.training import engine
-from userdp.training.pool import build_pool
 from userdp.training.settings import TrainSettings
 
 
@@ -27,9 +25,9 @@ def fake_epsilon(event, delta):
 
 @pytest.fixture(scope="module")
 def pool():
-    t = tokens_table(24, seed=5)
-    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
-    return build_pool(train, 3, seed=0)
+    from train_fixtures import train_pool
+
+    return train_pool(24, 5)
 
 
 @pytest.fixture

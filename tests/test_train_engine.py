@@ -29,9 +29,9 @@ def fake_epsilon(event, delta):
 
 @pytest.fixture(scope="module")
 def pool():
-    t = tokens_table(40, seed=3)
-    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
-    return build_pool(train, 3, seed=0)
+    from train_fixtures import train_pool
+
+    return train_pool(40, 3)
 
 
 def settings(**kw):

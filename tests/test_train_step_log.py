@@ -12,14 +12,12 @@ import math
 
 import numpy as np
 import pandas as pd
-import pyarrow.compute as pc
 import pytest
 
-from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model, tokens_table
+from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model
 from userdp.evaluation.aggregate import build_summary
 from userdp.evaluation.select import copy_train_log
 from userdp.training import engine, step_log
-from userdp.training.pool import build_pool
 from userdp.training.settings import TrainSettings
 
 
@@ -29,9 +27,9 @@ def fake_epsilon(event, delta):
 
 @pytest.fixture(scope="module")
 def pool():
-    t = tokens_table(30, seed=7)
-    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
-    return build_pool(train, 3, seed=0)
+    from train_fixtures import train_pool
+
+    return train_pool(30, 7)
 
 
 def _settings(**kw):

@@ -143,3 +143,14 @@ def public_tokens_table(vocab: int, n: int = 400, seq: int = SEQ, seed: int = 0)
         rows.append([start + (k % 4) for k in range(seq)])  # a short cycle the model can learn
     return pa.table({"input_ids": pa.array(rows, pa.list_(pa.int32())),
                      "n_tokens": pa.array([seq] * n, pa.int32())})
+
+
+def train_pool(n_users: int, seed: int, group_size: int = 3):
+    """The bounded training pool (G = group_size) of the train rows of `tokens_table(n_users, seed)`."""
+    import pyarrow.compute as pc
+
+    from userdp.training.pool import build_pool
+
+    t = tokens_table(n_users, seed=seed)
+    train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
+    return build_pool(train, group_size, seed=0)

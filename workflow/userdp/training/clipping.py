@@ -316,15 +316,11 @@ class ScaledEmbeddingHandler(EmbeddingHandler):
             return torch.allclose(got, F.embedding(ids, module.weight) * self._scale(module), rtol=1e-4, atol=1e-6)
 
     @staticmethod
-    def _scale(module: nn.Module) -> Tensor | float:
-        scale = module.embed_scale
-        return scale.to(module.weight.dtype) if isinstance(scale, Tensor) else float(scale)
+    def _scale(module: nn.Module) -> float:
+        return float(module.embed_scale)  # a 0-d buffer (Gemma) or a float
 
     def piece(self, module, role, x, g, dtype):
-        record = super().piece(module, role, x, g, dtype)
-        scale = self._scale(module)
-        return gn.IndexRecord(ids=record.ids, g=record.g * (scale.to(record.g.dtype) if isinstance(scale, Tensor)
-                                                            else scale))
+        return super().piece(module, role, x, g * self._scale(module), dtype)
 
 
 class OffsetPositionsHandler(EmbeddingHandler):
