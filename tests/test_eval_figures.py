@@ -45,13 +45,38 @@ def test_loss_vs_epsilon_has_a_panel_per_budget_and_reference_lines(tmp_path):
     saved(fig, tmp_path, "eps")
 
 
-def test_loss_vs_budget_one_line_per_method_and_epsilon(tmp_path):
-    s = fake_summary()
+def test_loss_vs_budget_a_panel_per_epsilon_with_intervals(tmp_path):
+    s = fake_summary(seeds=(0, 1, 2))
     fig = lm.loss_vs_budget(s, PRE, "synth")
-    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert len([l for l in labels if l.startswith(("ELS,", "ULS,"))]) == 2 * 5  # 4 private eps + inf
-    assert "compute budget" in fig.axes[0].get_xlabel()
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title().split(",")[0] for ax in visible] == ["ε = 1", "ε = 2", "ε = 4", "ε = 8"]
+    t = texts(fig)
+    for needle in ("DP-SGD-ELS", "DP-SGD-ULS", "ELS, non-private", "ULS, non-private", "pretrained",
+                   "95% CI over 3 seeds", "compute budget"):
+        assert needle in t, needle
+    # the error bars are the 95% t interval of the three seeds
+    main = s[~s.is_group_sweep]
+    one = main[(main.method == "els") & (main.epsilon == 1) & (main.budget == 8000)].test_loss
+    st = lm.mean_over_seeds(main, ["method", "epsilon", "budget"])
+    ci = st[(st.method == "els") & (st.epsilon == 1) & (st.budget == 8000)]["ci"].iloc[0]
+    assert ci == pytest.approx(2.0 / 2 * 4.302653 * one.std() / 3 ** 0.5, rel=1e-5)
     saved(fig, tmp_path, "budget")
+
+
+def test_uls_minus_els_heat_map(tmp_path):
+    s = fake_summary(seeds=(0, 1, 2))
+    grid = lm.uls_minus_els_grid(s)
+    assert len(grid) == 5 * 3  # (4 private eps + inf) x 3 budgets
+    main = s[~s.is_group_sweep]
+    at = main[(main.epsilon == 1) & (main.budget == 128000)]
+    want = at[at.method == "uls"].test_loss.mean() - at[at.method == "els"].test_loss.mean()
+    row = grid[(grid.epsilon == 1) & (grid.budget == 128000)].iloc[0]
+    assert row["diff"] == pytest.approx(want) and row.ci_low < row["diff"] < row.ci_high
+    fig = lm.uls_minus_els(s, PRE, "synth")
+    cells = [t.get_text() for t in fig.axes[0].texts]
+    assert len(cells) == 15 and all("[" in c for c in cells)
+    assert "ULS - ELS" in texts(fig)
+    saved(fig, tmp_path, "heat")
 
 
 def test_loss_vs_group_size_marks_heuristic(tmp_path):
@@ -112,8 +137,10 @@ def test_every_registered_figure_has_a_caption_a_function_and_its_own_rule():
     # Every caption file of a figure is registered (the front page is the workflow's).
     # (audit_table captions the audit's HTML table, a report item of rule audit_summary, not a figure)
     # (metrics_table captions the summary table, a report item of rule aggregate)
+    # (findings_table captions the findings table, a report item of rule findings)
     captions = {p.stem for p in (REPO / registry.CAPTION_DIR).glob("*.rst")} - {"workflow", "audit_table",
-                                                                                "metrics_table"}
+                                                                                "metrics_table", "findings_table"}
+    assert "findings_table.rst" in (REPO / "workflow/rules/findings.smk").read_text()
     assert "audit_table.rst" in (REPO / "workflow/rules/audit.smk").read_text()
     assert "metrics_table.rst" in (REPO / "workflow/rules/evaluate.smk").read_text()
     assert captions == set(registry.FIGURES)
@@ -126,7 +153,7 @@ def test_figure_targets_and_paths():
     })
     out = registry.figure_targets(c)
     stems = {"contributions_a", "contributions_b", "noise_vs_group_size", "lm_loss_vs_epsilon_a",
-             "lm_loss_vs_budget_a", "lm_loss_vs_group_size_a", "training_curves_a", "mean_estimation_vs_epsilon",
+             "lm_loss_vs_budget_a", "lm_uls_minus_els_a", "lm_loss_vs_group_size_a", "training_curves_a", "mean_estimation_vs_epsilon",
              "mean_estimation_vs_diversity", "mean_estimation_vs_budget", "mean_estimation_vs_group_size"}
     assert sorted(out) == sorted(f"results/figures/{s}.{e}" for s in stems for e in ("png", "pdf"))
     assert registry.figure_targets(c, family="lm") == [p for p in out if "lm_" in p or "training_curves" in p]

@@ -24,7 +24,7 @@ from userdp.io import read_json, write_json
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
 RULES = ["evaluation", "evaluate", "evaluate_pretrained", "select_lr", "aggregate", "plot_lm_loss_vs_epsilon",
-         "plot_lm_loss_vs_budget", "plot_lm_loss_vs_group_size", "plot_training_curves"]
+         "plot_lm_loss_vs_budget", "plot_lm_loss_vs_group_size", "plot_training_curves", "plot_lm_uls_minus_els"]
 
 CONFIG = {
     "datasets": {"toy": {"source": "synthetic", "split": {"validation": 0.2, "test": 0.2}}},

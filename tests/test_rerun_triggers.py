@@ -38,6 +38,7 @@ TINY = REPO / "tests" / "configs" / "tiny.yaml"
 AFTER_FINETUNE = {
     "finetune", "finetune_group", "evaluate", "select_lr", "aggregate",
     "plot_lm_loss_vs_budget", "plot_lm_loss_vs_epsilon", "plot_lm_loss_vs_group_size", "plot_training_curves",
+    "plot_lm_uls_minus_els", "findings",
 }
 
 

@@ -50,6 +50,7 @@ def all_targets():
     from userdp.evaluation.targets import evaluation_targets
     from userdp.experiments.targets import workflow_targets as mean_estimation_targets
     from userdp.plotting.registry import figure_targets
+    from userdp.evaluation.findings_job import targets as findings_targets
 
     return (
         data_targets()
@@ -58,4 +59,5 @@ def all_targets():
         + evaluation_targets(config)
         + mean_estimation_targets()
         + figure_targets(config)
+        + findings_targets(config)
     )

@@ -138,6 +138,11 @@ SUMMARY = SUMMARY_DIR + "/metrics.parquet"
 SUMMARY_CSV = SUMMARY_DIR + "/metrics.csv"
 TRAIN_CURVES = SUMMARY_DIR + "/train_curves.parquet"
 
+# The findings table of a study (findings.name): each claim's effect, interval and verdict.
+FINDINGS_DIR = "results/findings"
+FINDINGS = FINDINGS_DIR + "/{study}.json"
+FINDINGS_CSV = FINDINGS_DIR + "/{study}.csv"
+
 # The synthetic mean-estimation study.
 MEAN_ESTIMATION = "results/mean_estimation"
 MEAN_ESTIMATION_CALIBRATION = MEAN_ESTIMATION + "/calibration.parquet"
@@ -170,6 +175,7 @@ LOG_CONTRIBUTIONS_DP = LOGS + "/plan/contributions_dp_{dataset}.log"
 LOG_PLAN = LOGS + "/plan/{dataset}/" + _SETTING + ".log"
 LOG_GROUP_PLAN = LOGS + "/plan/{dataset}/" + _SETTING + "/" + _GROUP + ".log"
 LOG_ACCOUNTING_COMPARISON = LOGS + "/accounting/comparison.log"
+LOG_FINDINGS = LOGS + "/findings/{study}.log"
 LOG_PRETRAIN = LOGS + "/pretrain.log"
 LOG_FINETUNE = LOGS + "/finetune/{dataset}/" + CELL + "/" + _LR + ".log"
 LOG_FINETUNE_GROUP = LOGS + "/finetune/{dataset}/" + GROUP_CELL + "/" + _LR + ".log"
@@ -306,6 +312,13 @@ def steps_for_budget(config: Mapping, compute: int | str) -> int:
     )
 
 
+def group_sweep_point(config: Mapping) -> dict:
+    """Where the G sweep (grid.group_size_sweep) runs: the first epsilon and the first budget listed."""
+    grid = config["grid"]
+    b0 = grid["budgets"][0]
+    return {"epsilon": float(grid["epsilons"][0]), "budget": int(b0["compute"]), "steps": int(b0["steps"])}
+
+
 def iter_cells(config: Mapping) -> Iterator[Cell]:
     """Every fine-tuning cell of the grid: private cells, eps=inf references, G sweep."""
     grid = config["grid"]
@@ -318,10 +331,10 @@ def iter_cells(config: Mapping) -> Iterator[Cell]:
                 for b in grid["budgets"]:
                     for seed in grid["seeds"]:
                         yield Cell(dataset, method, eps, int(b["compute"]), int(b["steps"]), int(seed))
-            b0 = grid["budgets"][0]
+            at = group_sweep_point(config)
             for g in grid["group_size_sweep"]:
                 for seed in grid["seeds"]:
-                    yield Cell(dataset, method, epsilons[0], int(b0["compute"]), int(b0["steps"]), int(seed), int(g))
+                    yield Cell(dataset, method, at["epsilon"], at["budget"], at["steps"], int(seed), int(g))
 
 
 def audit_budget(config: Mapping) -> tuple[int, int]:

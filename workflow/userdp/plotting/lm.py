@@ -8,7 +8,8 @@ reruns training.
 Conventions: one colour and line style per method (ELS blue solid circles,
 ULS orange dashed squares); the non-private reference (epsilon = inf) and the
 pretrained model are horizontal reference lines; several seeds are shown as
-mean with a +-1 standard deviation bar.
+their mean with a 95% confidence interval (t interval over seeds; one seed:
+no bar).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from ..evaluation.findings import CellStats, contrast  # noqa: E402
 from ..privacy import seed_secrecy  # noqa: E402
 
 METHODS = {
@@ -66,11 +68,20 @@ def _style(method: str) -> dict:
     return METHODS.get(method, {"color": "tab:green", "marker": "^", "linestyle": "-.", "label": method})
 
 
+def ci_halfwidth(std: float, n: int) -> float:
+    """Half-width of the 95% t interval of a mean of `n` values with sample standard deviation `std` (0 for n < 2)."""
+    if n < 2 or not math.isfinite(std):
+        return 0.0
+    _, lo, hi = contrast([(1.0, CellStats(0.0, std * std, int(n)))])
+    return (hi - lo) / 2
+
+
 def mean_over_seeds(df: pd.DataFrame, keys: list[str], value: str = "test_loss") -> pd.DataFrame:
-    """Mean, standard deviation and count of `value` over seeds, per `keys`."""
+    """Mean, standard deviation, count and 95% interval half-width (`ci`) of `value` over seeds, per `keys`."""
     g = df.groupby(keys, dropna=False)[value]
     out = g.agg(["mean", "std", "count"]).reset_index()
     out["std"] = out["std"].fillna(0.0)
+    out["ci"] = [ci_halfwidth(s, n) for s, n in zip(out["std"], out["count"])]
     return out
 
 
@@ -80,7 +91,7 @@ def _n_seeds(df: pd.DataFrame) -> int:
 
 def _seed_note(df: pd.DataFrame) -> str:
     n = _n_seeds(df)
-    return "1 seed" if n == 1 else f"mean ± sd over {n} seeds"
+    return "1 seed" if n == 1 else f"mean and 95% CI over {n} seeds"
 
 
 def _main(summary: pd.DataFrame) -> pd.DataFrame:
@@ -131,7 +142,7 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
             st = _style(m)
             priv = stats[(stats["method"] == m) & np.isfinite(stats["epsilon"])].sort_values("epsilon")
             if len(priv):
-                ax.errorbar(priv["epsilon"], priv["mean"], yerr=priv["std"], color=st["color"], marker=st["marker"],
+                ax.errorbar(priv["epsilon"], priv["mean"], yerr=priv["ci"], color=st["color"], marker=st["marker"],
                             linestyle=st["linestyle"], capsize=3, label=st["label"])
             nonpriv = stats[(stats["method"] == m) & np.isinf(stats["epsilon"])]
             if len(nonpriv):
@@ -162,40 +173,103 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
 
 
 def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: str) -> Figure:
-    """Figure 5: test loss vs compute budget, one line per (method, epsilon).
+    """Figure 5: test loss vs compute budget, one panel per private epsilon, ELS and ULS lines.
 
-    Colour encodes epsilon (non-private in black), line style the method.
+    Mean and 95% interval over seeds (bars and a shaded band); each method's
+    non-private runs (their mean over budgets' runs at each budget, as a thin
+    line) and the pretrained model are references.
     """
     main = _main(summary)
     stats = mean_over_seeds(main, ["method", "epsilon", "budget"])
-    eps_values = sorted(stats["epsilon"].unique())
-    finite = [e for e in eps_values if math.isfinite(e)]
-    colours = _eps_colours(finite)
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for m in _method_order(stats["method"].unique()):
-        st = _style(m)
-        for e in eps_values:
-            s = stats[(stats["method"] == m) & (stats["epsilon"] == e)].sort_values("budget")
-            if not len(s):
-                continue
-            ax.errorbar(s["budget"], s["mean"], yerr=s["std"], color=colours.get(e, "black"), marker=st["marker"],
-                        linestyle=st["linestyle"], capsize=3, label=f"{SHORT.get(m, m)}, {_eps_label(e)}")
-    _pretrained_line(ax, _pretrained_value(pretrained))
+    finite = sorted(e for e in stats["epsilon"].unique() if math.isfinite(e))
+    panels = finite or [math.inf]
+    rows, cols = _grid_shape(len(panels))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), sharey=True, squeeze=False,
+                             layout="constrained")
     budgets = sorted(stats["budget"].unique())
-    ax.set_xscale("log")
-    ax.set_xticks(budgets)
-    ax.set_xticklabels([f"{int(b):,}" for b in budgets])
-    ax.minorticks_off()
-    if len(budgets) == 1:
-        ax.set_xlim(budgets[0] / 2, budgets[0] * 2)
-    ax.set_xlabel(BUDGET_LABEL + ", log scale")
-    ax.set_ylabel(LOSS_LABEL)
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
-    title = f"{dataset}: test loss vs compute budget ({_seed_note(main)})"
+    pre = _pretrained_value(pretrained)
+    for ax, e in zip(axes.flat, panels):
+        for m in _method_order(stats["method"].unique()):
+            st = _style(m)
+            s = stats[(stats["method"] == m) & (stats["epsilon"] == e)].sort_values("budget")
+            if len(s):
+                ax.errorbar(s["budget"], s["mean"], yerr=s["ci"], color=st["color"], marker=st["marker"],
+                            linestyle=st["linestyle"], capsize=3, label=st["label"])
+                ax.fill_between(s["budget"], s["mean"] - s["ci"], s["mean"] + s["ci"], color=st["color"], alpha=0.12)
+            ref = stats[(stats["method"] == m) & np.isinf(stats["epsilon"])].sort_values("budget")
+            if len(ref) and math.isfinite(e):
+                ax.plot(ref["budget"], ref["mean"], color=st["color"], linestyle=NONPRIVATE_DASHES.get(m, ":"),
+                        linewidth=1.3, label=f"{SHORT.get(m, m)}, non-private (ε = ∞)")
+        _pretrained_line(ax, pre)
+        ax.set_xscale("log")
+        ax.set_xticks(budgets)
+        ax.set_xticklabels([f"{int(b):,}" for b in budgets])
+        ax.minorticks_off()
+        if len(budgets) == 1:
+            ax.set_xlim(budgets[0] / 2, budgets[0] * 2)
+        ax.set_title(_eps_label(e) + _delta_note(main), fontsize=10)
+        ax.set_xlabel(BUDGET_LABEL + ", log scale", fontsize=9)
+        ax.grid(True, alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(LOSS_LABEL)
+    _legend_below(fig, axes.flat[0])
+    title = f"{dataset}: test loss vs compute budget, a panel per ε ({_seed_note(main)})"
     if len(budgets) == 1:
         title += "\nonly one budget configured (grid.budgets): one point per line"
-    ax.set_title(title, fontsize=11)
+    fig.suptitle(title, fontsize=11)
+    return seeds_footnote(epsilon_footnote(fig, summary), summary)
+
+
+def uls_minus_els_grid(summary: pd.DataFrame) -> pd.DataFrame:
+    """ULS - ELS mean test loss per (epsilon, budget) of the main grid, with its 95% Welch interval over seeds."""
+    main = _main(summary)
+    rows = []
+    for (e, k), g in main.groupby(["epsilon", "budget"]):
+        u, l = g[g["method"] == "uls"]["test_loss"], g[g["method"] == "els"]["test_loss"]
+        if not len(u) or not len(l):
+            continue
+        effect, lo, hi = contrast([(1.0, CellStats.of(u)), (-1.0, CellStats.of(l))])
+        rows.append({"epsilon": float(e), "budget": int(k), "diff": effect, "ci_low": lo, "ci_high": hi})
+    return pd.DataFrame(rows, columns=["epsilon", "budget", "diff", "ci_low", "ci_high"])
+
+
+def uls_minus_els(summary: pd.DataFrame, pretrained: Mapping | None, dataset: str) -> Figure:
+    """Heat map of ULS - ELS test loss over (epsilon, budget), each cell with its 95% interval.
+
+    Blue = ULS better (lower loss), red = ELS better; a cell whose interval
+    excludes zero is marked with a star.
+    """
+    d = uls_minus_els_grid(summary)
+    eps = sorted(d["epsilon"].unique()) if len(d) else []
+    budgets = sorted(d["budget"].unique()) if len(d) else []
+    fig, ax = plt.subplots(figsize=(1.9 * max(2, len(budgets)) + 2.2, 1.0 * max(2, len(eps)) + 1.6),
+                           layout="constrained")
+    if not len(d):
+        ax.text(0.5, 0.5, "no (epsilon, budget) with both ELS and ULS", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_axis_off()
+        fig.suptitle(f"{dataset}: ULS - ELS test loss", fontsize=11)
+        return fig
+    z = np.full((len(eps), len(budgets)), np.nan)
+    for r in d.itertuples():
+        z[eps.index(r.epsilon), budgets.index(r.budget)] = r.diff
+    lim = float(np.nanmax(np.abs(z))) or 1e-9
+    im = ax.imshow(z, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", origin="lower")
+    for r in d.itertuples():
+        sig = r.ci_high < 0 or r.ci_low > 0
+        interval = ("" if not math.isfinite(r.ci_low) or r.ci_low == r.ci_high
+                    else f"\n[{r.ci_low:+.3f}, {r.ci_high:+.3f}]")
+        ax.text(budgets.index(r.budget), eps.index(r.epsilon), f"{r.diff:+.4f}{'*' if sig else ''}{interval}",
+                ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(budgets)), [f"{int(b):,}" for b in budgets])
+    ax.set_yticks(range(len(eps)), [_num(e) for e in eps])
+    ax.set_xlabel(BUDGET_LABEL, fontsize=9)
+    ax.set_ylabel("user-level ε (∞: non-private)")
+    fig.colorbar(im, ax=ax, label="ULS - ELS test loss (nats/token)\nblue: ULS better, red: ELS better")
+    fig.suptitle(f"{dataset}: ULS - ELS test loss, mean and 95% interval over seeds "
+                 f"({_seed_note(_main(summary))}; * interval excludes 0)", fontsize=10)
     return seeds_footnote(epsilon_footnote(fig, summary), summary)
 
 
@@ -222,13 +296,13 @@ def loss_vs_group_size(
         if sweep_stats is not None:
             s = sweep_stats[sweep_stats["method"] == m].sort_values("group_size")
             if len(s):
-                ax.errorbar(s["group_size"], s["mean"], yerr=s["std"], color=st["color"], marker=st["marker"],
+                ax.errorbar(s["group_size"], s["mean"], yerr=s["ci"], color=st["color"], marker=st["marker"],
                             linestyle=st["linestyle"], capsize=3, label=f"{st['label']}, G sweep")
                 all_g += list(s["group_size"])
         if heur_stats is not None:
             h = heur_stats[heur_stats["method"] == m]
             for _, r in h.iterrows():
-                ax.errorbar([r["group_size"]], [r["mean"]], yerr=[r["std"]], color=st["color"], marker="*",
+                ax.errorbar([r["group_size"]], [r["mean"]], yerr=[r["ci"]], color=st["color"], marker="*",
                             markersize=15, markeredgecolor="black", linestyle="none", capsize=3,
                             label=f"{SHORT.get(m, m)}, heuristic G = {int(r['group_size'])}")
                 ax.axvline(r["group_size"], color=st["color"], linestyle=":", linewidth=1.2)

@@ -197,8 +197,8 @@ def _register(figure: Figure) -> None:
 
 
 def _group_sweep_point(config: Mapping) -> dict:
-    # userdp.layout.iter_cells runs the G sweep at the first epsilon and budget.
-    return {"epsilon": float(config["grid"]["epsilons"][0]), "budget": int(config["grid"]["budgets"][0]["compute"])}
+    at = layout.group_sweep_point(config)
+    return {"epsilon": at["epsilon"], "budget": at["budget"]}
 
 
 _LM_SUMMARY = {"summary": layout.SUMMARY, "pretrained": layout.PRETRAINED_METRICS}
@@ -221,6 +221,8 @@ _register(Figure("lm_loss_vs_epsilon", LM, _LM_SUMMARY, "lm.loss_vs_epsilon",
                  labels={"figure": "test loss vs epsilon"}))
 _register(Figure("lm_loss_vs_budget", LM, _LM_SUMMARY, "lm.loss_vs_budget",
                  labels={"figure": "test loss vs compute budget"}))
+_register(Figure("lm_uls_minus_els", LM, _LM_SUMMARY, "lm.uls_minus_els",
+                 labels={"figure": "ULS - ELS over epsilon and budget"}))
 _register(Figure("lm_loss_vs_group_size", LM, _LM_SUMMARY, "lm.loss_vs_group_size",
                  labels={"figure": "test loss vs group size G"}, params=_group_sweep_point))
 _register(Figure("training_curves", LM, {"curves": layout.TRAIN_CURVES},

@@ -1,0 +1,17 @@
+"""Snakemake script (rule findings): the study's findings table (userdp.evaluation.findings)."""
+
+from userdp.errors import run_main
+from userdp.evaluation.findings_job import run
+from userdp.logutil import setup_logging
+
+log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+
+
+def main() -> None:
+    sm = snakemake  # noqa: F821
+    result = run(sm.config, list(sm.input.summaries), list(sm.input.pretrained), sm.input.comparison,
+                 sm.input.mean_estimation, sm.output.json, sm.output.csv)
+    log.info("%s: %s", sm.output.json, ", ".join(f"{v} {k}" for k, v in result["counts"].items()))
+
+
+run_main(main, log)

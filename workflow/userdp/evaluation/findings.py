@@ -1,0 +1,402 @@
+"""The findings table: each claim of the study, the measured effect with its 95% interval, and a verdict.
+
+The claims (Charles et al., arXiv 2407.07737) are checked on the language-model
+grid (per-dataset summaries), on the mean-estimation study and on the
+accounting comparison. Every verdict comes from the numbers by one rule
+(`verdict`), never by hand:
+
+- each claim is "effect < threshold" or "effect > threshold" (a direction and
+  a threshold, 0 unless the claim is about being within a tolerance);
+- the effect is a linear contrast of cell means over seeds (`contrast`), its
+  95% interval a Welch t interval (Welch-Satterthwaite degrees of freedom):
+  each cell's seeds are an independent sample, cells are independent;
+- reproduced: the whole interval is on the claimed side of the threshold;
+  not reproduced: the whole interval is on the other side; inconclusive: the
+  interval contains the threshold (the seed noise is larger than the effect);
+  not measured: the grid has no cells for it (the detail says what is missing).
+
+Effects, language model: differences of mean test loss (nats/token), written
+ULS - ELS (negative = ULS better). Mean estimation: differences of mean
+log squared error (log(ULS error / ELS error); -0.1 = ULS about 10% lower).
+Deterministic effects (the accounting ratios, the pretrained model's loss)
+have no seed variance: their interval is the point.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+REPRODUCED = "reproduced"
+NOT_REPRODUCED = "not reproduced"
+INCONCLUSIVE = "inconclusive"
+NOT_MEASURED = "not measured"
+VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_MEASURED)
+LEVEL = 0.95
+
+LM = "language model"
+ME = "mean estimation"
+ACCOUNTING = "accounting"
+
+#: claim id -> the study's claim, as the table states it.
+CLAIMS = {
+    1: "ULS beats ELS at small epsilon",
+    2: "ULS's advantage over ELS grows with the compute budget",
+    3: "ULS's advantage over ELS grows with within-user diversity",
+    4: "ELS is competitive with (or better than) ULS for homogeneous users at small budgets",
+    5: "the tight ELS accountant needs less noise than group privacy",
+    6: "DP fine-tuning (ELS and ULS) beats the pretrained model",
+    7: "the ELS median rule's G is as good as the best G found by training",
+    8: "the ULS rule's G is as good as the best G found by training",
+}
+
+
+@dataclass
+class Finding:
+    claim_id: int
+    domain: str
+    claim: str
+    effect: float | None
+    ci_low: float | None
+    ci_high: float | None
+    direction: str  # "<" or ">": the claim says effect <direction> threshold
+    threshold: float
+    verdict: str
+    unit: str
+    measured_at: str
+    figure: str
+    detail: str = ""
+    cells: list = field(default_factory=list)
+
+    def record(self) -> dict:
+        out = asdict(self)
+        for k in ("effect", "ci_low", "ci_high"):
+            v = out[k]
+            out[k] = None if v is None or not math.isfinite(v) else float(v)
+        return out
+
+
+@dataclass(frozen=True)
+class CellStats:
+    """Mean, sample variance and count of one cell's values over seeds."""
+
+    mean: float
+    var: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "CellStats":
+        v = np.asarray(values, dtype=float)
+        v = v[np.isfinite(v)]
+        if len(v) == 0:
+            raise ValueError("a cell has no finite values")
+        return cls(float(v.mean()), float(v.var(ddof=1)) if len(v) > 1 else math.nan, int(len(v)))
+
+    @classmethod
+    def constant(cls, value: float) -> "CellStats":
+        return cls(float(value), 0.0, 1)
+
+
+def contrast(terms: Iterable[tuple[float, CellStats]], level: float = LEVEL) -> tuple[float, float, float]:
+    """Effect sum(c_i * mean_i) of independent cells and its Welch t interval at `level`.
+
+    A cell with one value (and a non-constant role) has unknown variance: the
+    interval is then infinite (inconclusive), never narrower than the data allow.
+    """
+    terms = [(float(c), s) for c, s in terms if c != 0]
+    effect = sum(c * s.mean for c, s in terms)
+    parts = [(c * c * s.var / s.n, s.n) for c, s in terms if s.var != 0.0]
+    if not parts:
+        return effect, effect, effect
+    if any(math.isnan(p) for p, _ in parts):
+        return effect, -math.inf, math.inf
+    se2 = sum(p for p, _ in parts)
+    if se2 == 0:
+        return effect, effect, effect
+    df = se2 ** 2 / sum(p * p / (n - 1) for p, n in parts)
+    half = float(stats.t.ppf(0.5 + level / 2, df)) * math.sqrt(se2)
+    return effect, effect - half, effect + half
+
+
+def verdict(ci_low: float, ci_high: float, direction: str, threshold: float = 0.0) -> str:
+    """The rule: reproduced if the whole interval is on the claimed side of `threshold`, not reproduced if the
+    whole interval is on the other side, inconclusive otherwise."""
+    if direction not in ("<", ">"):
+        raise ValueError(f"direction must be '<' or '>', not {direction!r}")
+    below, above = ci_high < threshold, ci_low > threshold
+    if direction == "<":
+        return REPRODUCED if below else NOT_REPRODUCED if ci_low >= threshold else INCONCLUSIVE
+    return REPRODUCED if above else NOT_REPRODUCED if ci_high <= threshold else INCONCLUSIVE
+
+
+def _finding(claim_id: int, domain: str, terms, direction: str, unit: str, measured_at: str, figure: str,
+             threshold: float = 0.0, detail: str = "", cells: list | None = None) -> Finding:
+    effect, lo, hi = contrast(terms)
+    return Finding(claim_id, domain, CLAIMS[claim_id], effect, lo, hi, direction, threshold,
+                   verdict(lo, hi, direction, threshold), unit, measured_at, figure, detail, cells or [])
+
+
+def _not_measured(claim_id: int, domain: str, why: str, figure: str = "", direction: str = "<") -> Finding:
+    return Finding(claim_id, domain, CLAIMS[claim_id], None, None, None, direction, 0.0, NOT_MEASURED, "", "",
+                   figure, why)
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:g}"
+
+
+# ------------------------------------------------------------------ a generic grid of cells
+class Grid:
+    """Cells of one study's table: `value` per seed, keyed by the `keys` columns."""
+
+    def __init__(self, df: pd.DataFrame, keys: Sequence[str], value: str):
+        self.keys = list(keys)
+        self.cells = {k if isinstance(k, tuple) else (k,): CellStats.of(g[value].to_numpy())
+                      for k, g in df.groupby(self.keys, dropna=False) if np.isfinite(g[value]).any()}
+
+    def get(self, **where) -> CellStats | None:
+        return self.cells.get(tuple(where[k] for k in self.keys))
+
+    def values(self, key: str) -> list:
+        i = self.keys.index(key)
+        return sorted({k[i] for k in self.cells})
+
+
+def _diff(grid: Grid, **where) -> list[tuple[float, CellStats]] | None:
+    """Terms of ULS - ELS at `where` (None if a cell is missing)."""
+    u, e = grid.get(method="uls", **where), grid.get(method="els", **where)
+    return None if u is None or e is None else [(1.0, u), (-1.0, e)]
+
+
+def _scaled(terms, c: float):
+    return [(c * a, s) for a, s in terms]
+
+
+def _method_claims(grid: Grid, domain: str, axis: str, diversity: Mapping, unit: str, figures: Mapping[str, str],
+                   tolerance: float) -> list[Finding]:
+    """Claims 1-4 on a grid with keys (method, epsilon, budget, `axis`); `diversity` maps axis values to a
+    diversity level (None: unknown)."""
+    out = []
+    eps = [e for e in grid.values("epsilon") if math.isfinite(e)]
+    budgets = grid.values("budget")
+    units = grid.values(axis)
+    if not eps or not budgets or not units:
+        why = "the grid has no private ELS and ULS cells"
+        return [_not_measured(i, domain, why) for i in (1, 2, 3, 4)]
+    e0, k_lo, k_hi = eps[0], budgets[0], budgets[-1]
+    where_txt = lambda **w: ", ".join(f"{k} = {_fmt(v) if isinstance(v, float) else v}" for k, v in w.items())
+
+    # 1: ULS - ELS at the smallest epsilon and the largest budget, averaged over the axis (datasets / diversity).
+    terms = [t for u in units for t in (_diff(grid, epsilon=e0, budget=k_hi, **{axis: u}) or [])]
+    n_units = sum(1 for u in units if _diff(grid, epsilon=e0, budget=k_hi, **{axis: u}))
+    if n_units:
+        out.append(_finding(1, domain, _scaled(terms, 1 / n_units), "<", unit,
+                            where_txt(epsilon=e0, budget=k_hi) + f", mean over {n_units} {axis} value(s)",
+                            figures["budget"], detail="effect = ULS - ELS"))
+    else:
+        out.append(_not_measured(1, domain, f"no ELS/ULS pair at epsilon {e0}, budget {k_hi}"))
+
+    # 2: (ULS - ELS at the largest budget) - (at the smallest), smallest epsilon, mean over the axis.
+    if len(budgets) < 2:
+        out.append(_not_measured(2, domain, "the grid has one compute budget"))
+    else:
+        terms, n = [], 0
+        for u in units:
+            hi, lo = _diff(grid, epsilon=e0, budget=k_hi, **{axis: u}), _diff(grid, epsilon=e0, budget=k_lo, **{axis: u})
+            if hi and lo:
+                terms += hi + _scaled(lo, -1.0)
+                n += 1
+        if n:
+            out.append(_finding(2, domain, _scaled(terms, 1 / n), "<", unit,
+                                f"epsilon = {_fmt(e0)}, budget {k_hi} vs {k_lo}, mean over {n} {axis} value(s)",
+                                figures["heatmap"], detail="effect = (ULS - ELS at the largest budget) - (at the smallest)"))
+        else:
+            out.append(_not_measured(2, domain, "no ELS/ULS pairs at both the smallest and largest budget"))
+
+    # 3 and 4 need the diversity of each axis value.
+    known = sorted((d, u) for u, d in diversity.items() if d is not None and u in units)
+    if len({d for d, _ in known}) < 2:
+        out.append(_not_measured(3, domain, "fewer than two diversity levels in the grid (e.g. two synthetic "
+                                 "datasets that differ in synthetic.alpha)"))
+    else:
+        (d_lo, u_lo), (d_hi, u_hi) = known[0], known[-1]
+        a, b = _diff(grid, epsilon=e0, budget=k_hi, **{axis: u_hi}), _diff(grid, epsilon=e0, budget=k_hi, **{axis: u_lo})
+        if a and b:
+            out.append(_finding(3, domain, a + _scaled(b, -1.0), "<", unit,
+                                f"epsilon = {_fmt(e0)}, budget = {k_hi}, {u_hi} (diversity {_fmt(d_hi)}) vs "
+                                f"{u_lo} (diversity {_fmt(d_lo)})", figures["diversity"],
+                                detail="effect = (ULS - ELS, most diverse) - (ULS - ELS, least diverse)"))
+        else:
+            out.append(_not_measured(3, domain, "no ELS/ULS pairs at both diversity extremes"))
+    u_hom = known[0][1] if known else units[0]
+    d4 = _diff(grid, epsilon=e0, budget=k_lo, **{axis: u_hom})
+    if d4:
+        out.append(_finding(4, domain, d4, ">", unit,
+                            f"epsilon = {_fmt(e0)}, budget = {k_lo}, {axis} = {u_hom}"
+                            + (" (least diverse)" if known else ""),
+                            figures["budget"], threshold=-tolerance,
+                            detail=f"effect = ULS - ELS; competitive = ELS at most {tolerance:g} worse"))
+    else:
+        out.append(_not_measured(4, domain, f"no ELS/ULS pair at budget {k_lo}", direction=">"))
+    return out
+
+
+def _rule_vs_best(claim_id: int, domain: str, method: str, rule_cells: Mapping, sweep: Mapping, unit: str,
+                  figure: str, tolerance: float, where: str) -> Finding:
+    """`rule_cells`/`sweep`: unit -> (rule's G, CellStats) / unit -> {G: CellStats}. Effect = mean over units of
+    (rule's loss - the best G's loss)."""
+    terms, parts = [], []
+    for unit_key, (g_rule, rule_stats) in rule_cells.items():
+        candidates = dict(sweep.get(unit_key, {}))
+        candidates[g_rule] = rule_stats
+        if len(candidates) < 2:
+            continue
+        g_best = min(candidates, key=lambda g: candidates[g].mean)
+        parts.append(f"{unit_key}: rule G = {g_rule}, best G = {g_best}")
+        if g_best != g_rule:
+            terms += [(1.0, rule_stats), (-1.0, candidates[g_best])]
+        else:
+            terms += [(0.0, rule_stats)]
+    if not parts:
+        return _not_measured(claim_id, domain, f"no {method.upper()} G sweep next to the rule's cell", figure)
+    n = len(parts)
+    return _finding(claim_id, domain, _scaled(terms, 1 / n) or [(0.0, CellStats.constant(0.0))], "<", unit,
+                    where, figure, threshold=tolerance,
+                    detail=f"effect = rule's G - best G found by training (mean over {n}); " + "; ".join(parts))
+
+
+# ------------------------------------------------------------------ language model
+def lm_findings(summaries: Mapping[str, pd.DataFrame], pretrained: Mapping[str, float],
+                diversity: Mapping[str, float | None], sweep_point: Mapping, tolerance: float) -> list[Finding]:
+    """Claims 1-4, 6-8 on the language-model grid: `summaries` dataset -> summary table (userdp.evaluation.
+    aggregate), `pretrained` dataset -> pretrained test loss, `diversity` dataset -> synthetic alpha or None."""
+    unit = "nats/token (test loss)"
+    frames = [s.assign(dataset=d) for d, s in summaries.items() if len(s)]
+    if not frames:
+        return [_not_measured(i, LM, "no language-model cells") for i in (1, 2, 3, 4, 6, 7, 8)]
+    df = pd.concat(frames, ignore_index=True)
+    df["epsilon"] = df["epsilon"].astype(float)
+    main = df[~df["is_group_sweep"].astype(bool)]
+    grid = Grid(main, ["method", "epsilon", "budget", "dataset"], "test_loss")
+    figures = {"budget": "lm_loss_vs_budget", "heatmap": "lm_uls_minus_els", "diversity": "lm_uls_minus_els"}
+    out = _method_claims(grid, LM, "dataset", diversity, unit, figures, tolerance)
+
+    # 6: each method's mean test loss minus the pretrained model's, smallest epsilon, largest budget.
+    eps = [e for e in grid.values("epsilon") if math.isfinite(e)]
+    budgets = grid.values("budget")
+    for method in ("els", "uls"):
+        terms, n = [], 0
+        if eps:
+            for d in grid.values("dataset"):
+                s = grid.get(method=method, epsilon=eps[0], budget=budgets[-1], dataset=d)
+                if s is not None and d in pretrained and math.isfinite(pretrained[d]):
+                    terms += [(1.0, s), (-1.0, CellStats.constant(pretrained[d]))]
+                    n += 1
+        if n:
+            f = _finding(6, LM, _scaled(terms, 1 / n), "<", unit,
+                         f"{method.upper()}, epsilon = {_fmt(eps[0])}, budget = {budgets[-1]}, mean over {n} dataset(s)",
+                         "lm_loss_vs_budget", detail=f"effect = {method.upper()} - pretrained")
+        else:
+            f = _not_measured(6, LM, f"no {method.upper()} cell with a pretrained reference")
+        f.claim = f"{CLAIMS[6]} ({method.upper()})"
+        out.append(f)
+
+    # 7 and 8: the rules' G vs the G sweep at the sweep point.
+    sweep_df = df[df["is_group_sweep"].astype(bool)]
+    e_s, k_s = float(sweep_point["epsilon"]), int(sweep_point["budget"])
+    for claim_id, method, rule in ((7, "els", "median"), (8, "uls", "snr")):
+        rule_cells, sweep = {}, {}
+        for d in sorted(df["dataset"].unique()):
+            at = main[(main.dataset == d) & (main.method == method) & (main.epsilon == e_s) & (main.budget == k_s)]
+            if len(at):
+                rule_cells[d] = (int(at["group_size"].iloc[0]), CellStats.of(at["test_loss"]))
+            sw = sweep_df[(sweep_df.dataset == d) & (sweep_df.method == method)]
+            sweep[d] = {int(g): CellStats.of(x["test_loss"]) for g, x in sw.groupby("group_size")}
+        out.append(_rule_vs_best(claim_id, LM, method, rule_cells, sweep, unit, "lm_loss_vs_group_size",
+                                 tolerance, f"epsilon = {_fmt(e_s)}, budget = {k_s}"))
+    return out
+
+
+# ------------------------------------------------------------------ mean estimation
+def me_findings(results: pd.DataFrame, relative_tolerance: float) -> list[Finding]:
+    """Claims 1-4, 7, 8 on the mean-estimation study (userdp.experiments.mean_estimation results)."""
+    unit = "log squared error"
+    tol = math.log1p(relative_tolerance)
+    df = results.copy()
+    df["log_error"] = np.log(df["squared_error"].astype(float))
+    df = df.rename(columns={"compute_budget": "budget"})
+    chosen = df[df["chosen"].astype(bool)]
+    grid = Grid(chosen, ["method", "epsilon", "budget", "diversity"], "log_error")
+    diversity = {d: float(d) for d in grid.values("diversity")}
+    figures = {"budget": "mean_estimation_vs_budget", "heatmap": "mean_estimation_vs_budget",
+               "diversity": "mean_estimation_vs_diversity"}
+    out = _method_claims(grid, ME, "diversity", diversity, unit, figures, tol)
+    out.append(_not_measured(6, ME, "mean estimation has no pretrained model", direction="<"))
+    sweep = df[~df["chosen"].astype(bool)]
+    for claim_id, method in ((7, "els"), (8, "uls")):
+        rule_cells, sw = {}, {}
+        for key, g in chosen[chosen.method == method].groupby(["epsilon", "budget", "diversity"]):
+            label = f"eps {_fmt(key[0])} K {key[1]} s {_fmt(key[2])}"
+            rule_cells[label] = (int(g["group_size"].iloc[0]), CellStats.of(g["log_error"]))
+            x = sweep[(sweep.method == method) & (sweep.epsilon == key[0]) & (sweep.budget == key[1])
+                      & (sweep.diversity == key[2])]
+            sw[label] = {int(gs): CellStats.of(y["log_error"]) for gs, y in x.groupby("group_size")}
+        f = _rule_vs_best(claim_id, ME, method, rule_cells, sw, unit, "mean_estimation_vs_group_size", tol,
+                          "every (epsilon, budget, diversity) cell of the study")
+        if claim_id == 8:
+            f.detail = "ULS's G is the best of its sweep on tuning seeds, scored here on the evaluation seeds. " + f.detail
+        out.append(f)
+    return out
+
+
+# ------------------------------------------------------------------ accounting
+def accounting_findings(comparison: pd.DataFrame) -> list[Finding]:
+    """Claim 5: sigma(group privacy) / sigma(tight ELS) > 1 at every G > 1 (deterministic: no interval)."""
+    tight = comparison[comparison["accountant"] == "els"]
+    group = comparison[comparison["accountant"] == "group"]
+    m = tight.merge(group, on=["epsilon", "group_size"], suffixes=("_tight", "_group"))
+    m = m[(m["group_size"] > 1) & m["noise_multiplier_tight"].notna() & m["noise_multiplier_group"].notna()]
+    if m.empty:
+        return [_not_measured(5, ACCOUNTING, "the accounting comparison has no G > 1 with both accountants",
+                              "noise_vs_group_size", ">")]
+    m = m.assign(ratio=m["noise_multiplier_group"] / m["noise_multiplier_tight"]).sort_values(["epsilon", "group_size"])
+    lo = float(m["ratio"].min())
+    parts = "; ".join(f"eps {_fmt(r.epsilon)} G {int(r.group_size)}: {r.ratio:.3f}x" for r in m.itertuples())
+    return [Finding(5, ACCOUNTING, CLAIMS[5], lo, lo, lo, ">", 1.0, verdict(lo, lo, ">", 1.0),
+                    "ratio of noise multipliers (group privacy / tight)", "every (epsilon, G > 1) of the comparison",
+                    "noise_vs_group_size", detail="effect = the smallest ratio; " + parts)]
+
+
+# ------------------------------------------------------------------ the table
+def build(summaries, pretrained, diversity, sweep_point, me_results, comparison, loss_tolerance: float,
+          relative_tolerance: float, name: str) -> dict:
+    findings = lm_findings(summaries, pretrained, diversity, sweep_point, loss_tolerance)
+    findings += accounting_findings(comparison) if comparison is not None else []
+    findings += me_findings(me_results, relative_tolerance) if me_results is not None else []
+    findings.sort(key=lambda f: (f.claim_id, f.domain != LM))
+    counts = {v: sum(f.verdict == v for f in findings) for v in VERDICTS}
+    return {
+        "study": name,
+        "level": LEVEL,
+        "rule": ("reproduced: the 95% interval lies entirely on the claimed side of the threshold; not reproduced: "
+                 "entirely on the other side; inconclusive: it contains the threshold; intervals are Welch t "
+                 "intervals over seeds (userdp.evaluation.findings)"),
+        "loss_tolerance": loss_tolerance,
+        "relative_tolerance": relative_tolerance,
+        "counts": counts,
+        "findings": [f.record() for f in findings],
+    }
+
+
+TABLE_COLUMNS = ["claim_id", "domain", "claim", "verdict", "effect", "ci_low", "ci_high", "direction", "threshold",
+                 "unit", "measured_at", "figure", "detail"]
+
+
+def table(findings: Mapping) -> pd.DataFrame:
+    """The findings as a table (one row per claim and domain), for the report's CSV."""
+    return pd.DataFrame(findings["findings"], columns=TABLE_COLUMNS)

@@ -1,0 +1,55 @@
+"""The findings job (rule findings): read the finished tables a study wrote and write its findings table."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from .. import layout
+from ..io import read_frame, read_json, write_json
+from . import findings
+from .aggregate import write_csv
+
+
+def diversity_of(config: Mapping, dataset: str) -> float | None:
+    """A dataset's within-user diversity level: the synthetic source's topic concentration alpha (None otherwise)."""
+    spec = config["datasets"][dataset]
+    if spec.get("source") != "synthetic":
+        return None
+    return float((spec.get("synthetic") or {}).get("alpha", 0.1))
+
+
+def inputs(config: Mapping) -> dict[str, list[str] | str]:
+    """The findings rule's inputs: each grid dataset's summary and pretrained metrics, the accounting comparison
+    and the mean-estimation results."""
+    datasets = layout.grid_datasets(config)
+    return {
+        "summaries": [layout.SUMMARY.format(dataset=d) for d in datasets],
+        "pretrained": [layout.PRETRAINED_METRICS.format(dataset=d) for d in datasets],
+        "comparison": layout.ACCOUNTING_COMPARISON,
+        "mean_estimation": layout.MEAN_ESTIMATION_RESULTS,
+    }
+
+
+def targets(config: Mapping) -> list[str]:
+    name = config["findings"]["name"]
+    return [layout.FINDINGS.format(study=name), layout.FINDINGS_CSV.format(study=name)]
+
+
+def run(config: Mapping, summaries: Sequence[str], pretrained: Sequence[str], comparison: str,
+        mean_estimation: str, out_json: str, out_csv: str) -> dict:
+    datasets = layout.grid_datasets(config)
+    tables = {d: read_frame(p) for d, p in zip(datasets, summaries)}
+    pre = {}
+    for d, p in zip(datasets, pretrained):
+        v = read_json(p).get("test_loss")
+        pre[d] = float(v) if v is not None else math.nan
+    spec = config["findings"]
+    result = findings.build(
+        tables, pre, {d: diversity_of(config, d) for d in datasets}, layout.group_sweep_point(config),
+        read_frame(mean_estimation), read_frame(comparison),
+        float(spec["loss_tolerance"]), float(spec["relative_tolerance"]), spec["name"],
+    )
+    write_json(out_json, result)
+    write_csv(out_csv, findings.table(result))
+    return result
