@@ -198,8 +198,12 @@ def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: s
                 ax.fill_between(s["budget"], s["mean"] - s["ci"], s["mean"] + s["ci"], color=st["color"], alpha=0.12)
             ref = stats[(stats["method"] == m) & np.isinf(stats["epsilon"])].sort_values("budget")
             if len(ref) and math.isfinite(e):
-                ax.plot(ref["budget"], ref["mean"], color=st["color"], linestyle=NONPRIVATE_DASHES.get(m, ":"),
-                        linewidth=1.3, label=f"{SHORT.get(m, m)}, non-private (ε = ∞)")
+                ref_style = dict(color=st["color"], linestyle=NONPRIVATE_DASHES.get(m, ":"), linewidth=1.3,
+                                 label=f"{SHORT.get(m, m)}, non-private (ε = ∞)")
+                if len(ref) == 1:  # one budget: a line across the panel
+                    ax.axhline(float(ref["mean"].iloc[0]), **ref_style)
+                else:
+                    ax.plot(ref["budget"], ref["mean"], **ref_style)
         _pretrained_line(ax, pre)
         ax.set_xscale("log")
         ax.set_xticks(budgets)
@@ -353,6 +357,7 @@ def epsilon_footnote(fig: Figure, summary: pd.DataFrame) -> Figure:
     if note:
         fig.text(0.005, 0.018, note, fontsize=6.5, color="0.3", ha="left", va="bottom")
     return fig
+
 
 
 DERIVED_SEEDS_NOTE = f"privacy.secret_seeds: {seed_secrecy.DERIVED_CAVEAT}"
