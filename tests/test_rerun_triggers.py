@@ -189,7 +189,7 @@ def test_debug_step_log_reruns_training_and_the_cells_logs(plans):
 @pytest.mark.integration
 def test_comparison_reruns_only_the_comparison(plans):
     jobs, _ = plans["comparison"]
-    assert set(jobs) == {"accounting_comparison", "plot_noise_vs_group_size"}
+    assert set(jobs) == {"accounting_comparison", "plot_noise_vs_group_size", "findings"}  # claim 5 reads it
 
 
 @pytest.mark.integration
