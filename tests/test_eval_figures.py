@@ -228,3 +228,28 @@ def test_contributions_figure_with_dp_statistics_draws_only_the_release(tmp_path
     assert float(counts.size) in {v for v, _ in shown.numbers}  # the title names N (public)
     assert leaks_in(shown, targets) == []
     assert any("total examples" in h for h in leaks_in(file_values(tmp_path / "ex.pdf"), targets))
+
+
+def test_noise_vs_group_size_shows_both_group_privacy_baselines(tmp_path):
+    import pandas as pd
+
+    from userdp.plotting.accounting import noise_vs_group_size_figure
+    from userdp.privacy.comparison import ACCOUNTANT_LABELS
+
+    rows = []
+    for eps in (1.0, 4.0):
+        for g in (1, 4, 16):
+            for kind, factor in (("els", 1.0), ("group", 1.05), ("group_rdp", 1.2), ("uls", None)):
+                sigma = float("nan") if (kind == "group" and g == 16) else (1.0 if factor is None else factor * g)
+                rows.append(dict(accountant=kind, epsilon=eps, group_size=g, noise_multiplier=sigma,
+                                 sampling_rate=0.01, steps=1000, delta=1e-6))
+    fig = noise_vs_group_size_figure(pd.DataFrame(rows))
+    words = texts(fig)
+    for kind in ("els", "group", "group_rdp", "uls"):
+        assert ACCOUNTANT_LABELS[kind] in words
+    assert f"{ACCOUNTANT_LABELS['group']}: infeasible" in words
+    ratio_axes = fig.axes[2:4]
+    for rax in ratio_axes:  # one ratio line per baseline, each at its factor
+        ys = sorted(round(float(line.get_ydata()[0]), 6) for line in rax.get_lines() if line.get_color() != "gray")
+        assert ys == [1.05, 1.2]
+    saved(fig, tmp_path, "noise_vs_group_size")

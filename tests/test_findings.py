@@ -142,12 +142,23 @@ def test_lm_claims_not_measured_without_the_axis():
 
 
 # ---------------------------------------------------------------- accounting and mean estimation
-def comparison(ratios):
+def comparison(ratios, rdp_ratios=None):
     rows = []
     for (eps, g), r in ratios.items():
         rows.append(dict(accountant="els", epsilon=eps, group_size=g, noise_multiplier=1.0 * g))
         rows.append(dict(accountant="group", epsilon=eps, group_size=g, noise_multiplier=r * g))
+    for (eps, g), r in (rdp_ratios or {}).items():
+        rows.append(dict(accountant="group_rdp", epsilon=eps, group_size=g, noise_multiplier=r * g))
     return pd.DataFrame(rows)
+
+
+def test_accounting_claim_once_per_group_baseline():
+    fs = F.accounting_findings(comparison({(1.0, 4): 1.05, (1.0, 16): 1.3}, {(1.0, 4): 1.2, (1.0, 16): 0.9}))
+    assert len(fs) == 2
+    pld = next(f for f in fs if "from PLD" in f.detail)
+    rdp = next(f for f in fs if "from RDP" in f.detail)
+    assert pld.verdict == F.REPRODUCED and pld.effect == pytest.approx(1.05)
+    assert rdp.verdict == F.NOT_REPRODUCED and rdp.effect == pytest.approx(0.9) and "RDP" in rdp.unit
 
 
 def test_accounting_claim_uses_every_g_above_one():

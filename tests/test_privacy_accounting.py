@@ -68,25 +68,72 @@ def test_els_with_one_example_per_user_is_the_poisson_subsampled_gaussian(sigma,
     assert epsilon_of("els", sigma, q, T, 1e-6, 1, discretization=1e-3) == pytest.approx(pois, rel=1e-6)
 
 
+def group_factor(G, e):
+    """sum_{k<G} e^{k e}: the group-privacy delta factor, written out."""
+    return sum(math.exp(k * e) for k in range(G))
+
+
 def test_group_privacy_conversion_formula():
     # Against a direct scan of the example-level curve.
     sigma, q, T, G, delta = 3.0, 0.01, 100, 4, 1e-6
     d = 1e-3
     pld = A._composed_step_pld(("poisson", sigma, q), T, d)
     grid = np.linspace(0.01, 5, 5000)
-    feasible = [e for e in grid if G * math.exp((G - 1) * e) * pld.get_delta_for_epsilon(e) <= delta]
+    feasible = [e for e in grid if group_factor(G, e) * pld.get_delta_for_epsilon(e) <= delta]
     expected = G * min(feasible)
     got = epsilon_of("group", sigma, q, T, delta, G, discretization=d)
     assert got <= expected + 1e-9
     assert got == pytest.approx(expected, abs=G * (grid[1] - grid[0]))
 
 
-@pytest.mark.parametrize("sigma,q,T,G", [(2.0, 0.01, 100, 2), (5.0, 0.02, 50, 8), (1.0, 0.05, 20, 4)])
-def test_tight_accountant_never_looser_than_group_privacy(sigma, q, T, G):
+@pytest.mark.parametrize("G,e", [(1, 0.3), (2, 0.0), (4, 1e-9), (4, 0.5), (64, 3.0), (64, 10.0)])
+def test_group_delta_factor(G, e):
+    expected = math.log(group_factor(G, e)) if e > 0 else math.log(G)
+    assert A.log_group_delta_factor(G, e) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert A.log_group_delta_factor(G, e) <= math.log(G) + (G - 1) * e + 1e-12  # never above Vadhan's G e^{(G-1)e}
+
+
+def rdp_accountant(sigma, q, T):
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    acc = rdp_privacy_accountant.RdpAccountant()
+    acc.compose(poisson_event(sigma, q, T))
+    return acc
+
+
+@pytest.mark.parametrize("sigma,q,T,G,delta", [(3.0, 0.01, 100, 4, 1e-6), (1.2, 0.01, 1000, 4, 1e-6),
+                                               (8.0, 0.01, 1000, 16, 1e-6)])
+def test_rdp_group_privacy_against_a_scan_of_the_rdp_curve(sigma, q, T, G, delta):
+    # The baseline of tensorflow_privacy's user-level path: dp-accounting's RDP curve of the example-level
+    # mechanism, converted by group privacy; here by a scan of that curve.
+    acc = rdp_accountant(sigma, q, T)
+    e1 = acc.get_epsilon(delta / G)
+    grid = np.linspace(e1, 4 * e1 + 1, 4000)
+    feasible = [e for e in grid if group_factor(G, e) * acc.get_delta(e) <= delta]
+    expected = G * min(feasible)
+    got = epsilon_of("group_rdp", sigma, q, T, delta, G)
+    assert got <= expected + 1e-9
+    assert got == pytest.approx(expected, abs=G * (grid[1] - grid[0]))
+
+
+def test_rdp_group_privacy_of_one_example_is_the_rdp_epsilon():
+    assert epsilon_of("group_rdp", 1.1, 0.01, 500, 1e-6, 1) == pytest.approx(
+        rdp_accountant(1.1, 0.01, 500).get_epsilon(1e-6), rel=1e-12)
+
+
+@pytest.mark.parametrize("sigma,q,T,G", [(2.0, 0.01, 100, 2), (5.0, 0.02, 50, 8), (1.0, 0.05, 20, 4),
+                                         (1.0, 0.01, 1000, 4)])
+def test_tight_accountant_never_looser_than_either_group_baseline(sigma, q, T, G):
     tight = epsilon_of("els", sigma, q, T, 1e-6, G, discretization=1e-3)
-    group = epsilon_of("group", sigma, q, T, 1e-6, G, discretization=1e-3)
-    assert tight <= group
-    assert tight < group * 0.999  # strictly better for G > 1
+    for baseline in ("group", "group_rdp"):
+        assert tight < epsilon_of(baseline, sigma, q, T, 1e-6, G, discretization=1e-3) * 0.999
+
+
+def test_pld_group_conversion_has_no_bound_below_a_noise_level_where_rdp_still_has_one():
+    # The PLD's truncated tail (a floor on delta_ex) against the factor e^{(G-1) eps_ex}: documented in
+    # accounting.group_privacy_epsilon. RDP's delta_ex has no floor.
+    assert math.isinf(epsilon_of("group", 0.9, 0.01, 1000, 1e-6, 4))
+    assert math.isfinite(epsilon_of("group_rdp", 0.9, 0.01, 1000, 1e-6, 4))
 
 
 def test_epsilon_increases_with_q_T_G_and_decreases_with_sigma():

@@ -98,8 +98,8 @@ def test_plan_rules_produce_the_plans(tmp_path):
     els = json.loads((tmp_path / plans[0]).read_text())
     assert els["group_size"] == int(np.ceil(np.median(train)))
     df = pd.read_parquet(tmp_path / "results/accounting/comparison.parquet")
-    assert set(df["accountant"]) == {"els", "group", "uls"} and len(df) == 2 * 2 * 3
+    assert set(df["accountant"]) == {"els", "group", "group_rdp", "uls"} and len(df) == 2 * 2 * 4
     t = df.pivot_table(index=["epsilon", "group_size"], columns="accountant", values="noise_multiplier")
-    assert (t["els"] <= t["group"] * (1 + 1e-9)).all()
+    assert (t["els"] <= t["group"] * (1 + 1e-9)).all() and (t["els"] <= t["group_rdp"] * (1 + 1e-9)).all()
     assert (tmp_path / "results/figures/noise_vs_group_size.pdf").stat().st_size > 0
     assert (tmp_path / "results/logs/plan/tiny/method~els/eps~2/budget~600.log").exists()

@@ -86,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
-            "--method", required=True, choices=["els", "uls", "group"],
+            "--method", required=True, choices=["els", "uls", "group", "group_rdp"],
             help="els: tight user-level accountant of DP-SGD-ELS; uls: DP-SGD-ULS; "
-            "group: ELS by group privacy (comparison only)",
+            "group / group_rdp: ELS by group privacy from the example-level PLD / RDP guarantee (comparison only)",
         )
         sp.add_argument("--sampling-rate", required=True, type=_rate, help="q (ELS, examples) or q_u (ULS, users), in (0, 1]")
         sp.add_argument("--steps", required=True, type=_int_at_least("steps", 1), help="T, the number of noisy steps")
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mean = None if args.selection != "random_stopping" else (args.mean_runs or float(args.runs))
         selection = Selection(args.selection, args.runs, mean, args.shape if mean is not None else None)
         mech = mechanism.get(args.method, comparison=True)(args.sampling_rate, args.steps, args.group_size)
-        if args.selection != "per_run" and args.method == "group":
+        if args.selection != "per_run" and args.method not in mechanism.METHODS:
             raise UserError("--selection composed / random_stopping is for the training methods els and uls.")
         if args.command == "epsilon":
             if args.selection == "per_run":

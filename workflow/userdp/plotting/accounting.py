@@ -7,27 +7,32 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..io import atomic_path, read_frame  # noqa: E402
+from ..io import read_frame  # noqa: E402
+from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES  # noqa: E402
+from .output import save_figure  # noqa: E402
 
 STYLE = {
     "els": {"color": "tab:blue", "marker": "o", "linestyle": "-"},
     "group": {"color": "tab:red", "marker": "s", "linestyle": "--"},
+    "group_rdp": {"color": "tab:orange", "marker": "v", "linestyle": "-."},
     "uls": {"color": "tab:green", "marker": None, "linestyle": ":"},
 }
-LABELS = {
-    "els": "ELS, tight accountant (mixture of Gaussians)",
-    "group": "ELS, group-privacy conversion",
-    "uls": "ULS (user-level sampling)",
-}
+#: Drawing order (the baselines first, so the tight accountant's line is on top).
+ORDER = ("group_rdp", "group", "els", "uls")
 
 
 def plot_noise_vs_group_size(parquet_path: str, png_path: str, pdf_path: str) -> None:
-    """One panel per epsilon: sigma versus G (log-log) for the three accountants.
+    """The figure of `noise_vs_group_size_figure` from the comparison's Parquet, as PNG and PDF."""
+    save_figure(noise_vs_group_size_figure(read_frame(parquet_path)), png_path, pdf_path)
+
+
+def noise_vs_group_size_figure(df):
+    """One panel per epsilon: sigma versus G (log-log) per accountant, and below it each group-privacy
+    baseline's sigma over the tight accountant's.
 
     Targets no sigma up to the configured maximum reaches (group privacy at
     large G) are drawn as an open marker at the top edge, labelled.
     """
-    df = read_frame(parquet_path)
     epsilons = sorted(df["epsilon"].unique())
     q, T, delta = df["sampling_rate"].iloc[0], int(df["steps"].iloc[0]), df["delta"].iloc[0]
     n = len(epsilons)
@@ -39,14 +44,14 @@ def plot_noise_vs_group_size(parquet_path: str, png_path: str, pdf_path: str) ->
     top = float(finite.max()) * 1.6 if len(finite) else 10.0
     for ax, eps in zip(axes[0], epsilons):
         sub = df[df["epsilon"] == eps]
-        for kind in ("group", "els", "uls"):
+        for kind in (k for k in ORDER if k in set(sub["accountant"])):
             d = sub[sub["accountant"] == kind].sort_values("group_size")
             ok = d[d["noise_multiplier"].notna()]
-            ax.plot(ok["group_size"], ok["noise_multiplier"], label=LABELS[kind], **STYLE[kind])
+            ax.plot(ok["group_size"], ok["noise_multiplier"], label=ACCOUNTANT_LABELS[kind], **STYLE[kind])
             bad = d[d["noise_multiplier"].isna()]
             if len(bad):
                 ax.plot(bad["group_size"], [top] * len(bad), linestyle="none", marker="^", markerfacecolor="none",
-                        color=STYLE[kind]["color"], label=f"{LABELS[kind]}: infeasible")
+                        color=STYLE[kind]["color"], label=f"{ACCOUNTANT_LABELS[kind]}: infeasible")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"user-level ε = {eps:g}")
@@ -54,9 +59,10 @@ def plot_noise_vs_group_size(parquet_path: str, png_path: str, pdf_path: str) ->
         # Lower row: how much more noise group privacy asks for than the tight accountant.
         rax = all_axes[1][list(axes[0]).index(ax)]
         piv = sub.pivot_table(index="group_size", columns="accountant", values="noise_multiplier")
-        if {"els", "group"} <= set(piv.columns):
-            ratio = (piv["group"] / piv["els"]).dropna()
-            rax.plot(ratio.index, ratio.values, color="tab:purple", marker="D")
+        for kind in (k for k in GROUP_BASELINES if {"els", k} <= set(piv.columns)):
+            ratio = (piv[kind] / piv["els"]).dropna()
+            rax.plot(ratio.index, ratio.values, color=STYLE[kind]["color"], marker=STYLE[kind]["marker"],
+                     linestyle=STYLE[kind]["linestyle"])
         rax.axhline(1.0, color="gray", linewidth=0.8)
         rax.set_xscale("log", base=2)
         gs = sorted(sub["group_size"].unique())
@@ -73,14 +79,10 @@ def plot_noise_vs_group_size(parquet_path: str, png_path: str, pdf_path: str) ->
     for ax in axes[0][1:]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(lab, h)
-    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(3, len(seen)), frameon=False)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(2, len(seen)), frameon=False)
     fig.suptitle(
         f"Noise needed vs G at sampling rate q = {q:g}, T = {T} steps, δ = {delta:.0e}",
         fontsize=11,
     )
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    for path, kw in ((png_path, {"dpi": 150}), (pdf_path, {})):
-        suffix = "." + str(path).rsplit(".", 1)[-1]
-        with atomic_path(path, suffix=suffix) as tmp:
-            fig.savefig(tmp, **kw)
-    plt.close(fig)
+    return fig

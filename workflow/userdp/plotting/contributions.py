@@ -17,7 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ..io import atomic_path, read_json  # noqa: E402
+from ..io import read_json  # noqa: E402
+from .output import save_figure  # noqa: E402
 
 
 def plot_contributions(stats_path: str | Path, png: str | Path, pdf: str | Path | None = None, dataset: str | None = None,
@@ -105,8 +106,4 @@ def _plot_release(stats: dict, release: str | Path, png: str | Path, pdf: str | 
 
 def _save(fig, png: str | Path, pdf: str | Path | None) -> None:
     fig.tight_layout()
-    for path in [png] + ([pdf] if pdf else []):
-        path = Path(path)
-        with atomic_path(path, suffix=path.suffix) as tmp:
-            fig.savefig(tmp, format=path.suffix.lstrip("."))
-    plt.close(fig)
+    save_figure(fig, png, *([pdf] if pdf else []))

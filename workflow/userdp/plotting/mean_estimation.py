@@ -10,7 +10,6 @@ the median G, and the group-size figure shows both methods at every G.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import matplotlib
@@ -20,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..io import atomic_path  # noqa: E402
+from .output import save_figure  # noqa: E402
 
 STYLE = {
     "els": dict(color="#1f77b4", marker="o", label="DP-SGD-ELS (G = median)"),
@@ -91,10 +90,7 @@ def _finish(fig, axes, title: str, xlabel: str, out_png: str, out_pdf: str | Non
 
 def save(fig, out_png: str, out_pdf: str | None = None) -> None:
     """Write the figure to PNG (and PDF) atomically, then close it."""
-    for path in [out_png] + ([out_pdf] if out_pdf else []):
-        with atomic_path(path, suffix=os.path.splitext(str(path))[1]) as tmp:
-            fig.savefig(tmp, dpi=150, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, out_png, *([out_pdf] if out_pdf else []))
 
 
 def _setting(df: pd.DataFrame) -> str:

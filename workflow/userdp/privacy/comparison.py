@@ -3,6 +3,9 @@
 For each (G, epsilon), the calibrated noise multiplier of
 * ELS with the tight MoG accountant,
 * ELS with the group-privacy conversion of the example-level guarantee,
+  from the PLD accountant ("group") and from the RDP accountant ("group_rdp",
+  the conversion of tensorflow_privacy's `compute_dp_sgd_privacy_lib` that
+  the study's authors' code uses),
 * ULS (the user-level subsampled Gaussian; it does not depend on G).
 All at the same sampling rate q and steps T. With every user holding at
 least G examples, ULS at compute parity samples users at q_u = q (cohort
@@ -27,10 +30,15 @@ from .calibration import calibrate
 log = logging.getLogger(__name__)
 
 ACCOUNTANT_LABELS = {
-    "els": "ELS, tight (mixture of Gaussians)",
-    "group": "ELS, group privacy",
-    "uls": "ULS",
+    "els": "ELS, tight accountant (mixture of Gaussians)",
+    "group": "ELS, group privacy from PLD",
+    "group_rdp": "ELS, group privacy from RDP (tensorflow_privacy)",
+    "uls": "ULS (user-level sampling)",
 }
+#: The comparison's accountants, in the order the rows are written.
+ACCOUNTANTS = tuple(ACCOUNTANT_LABELS)
+#: The group-privacy baselines (each compared with the tight "els" accountant).
+GROUP_BASELINES = ("group", "group_rdp")
 
 
 def noise_vs_group_size(
@@ -52,7 +60,7 @@ def noise_vs_group_size(
     uls_cache: dict[float, tuple[float, float, str | None]] = {}
     for eps in epsilons:
         for G in group_sizes:
-            for kind in ("els", "group", "uls"):
+            for kind in ACCOUNTANTS:
                 mech_cls = mechanism.get(kind, comparison=True)
                 t0 = time.perf_counter()
                 if kind == "uls" and eps in uls_cache:

@@ -19,9 +19,9 @@ the ledger, and learning-rate selection composes the events of its runs
 `event_from_json`). The method name ("els", "uls") is parsed once, at the
 boundary (`get`, `from_record`); nothing downstream dispatches on it.
 
-`GroupPrivacyELS` is ELS accounted by group privacy from the example-level
-guarantee: the baseline of the accounting comparison figure, never a
-training method.
+`GroupPrivacyELS` and `GroupPrivacyRdpELS` are ELS accounted by group
+privacy from the example-level guarantee (PLD, resp. RDP): the baselines of
+the accounting comparison figure, never training methods.
 """
 
 from __future__ import annotations
@@ -246,10 +246,29 @@ class GroupPrivacyELS(ELS):
         return self, epsilon, delta
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupPrivacyRdpELS(GroupPrivacyELS):
+    """ELS accounted by group privacy from its example-level RDP guarantee (comparison baseline only).
+
+    The conversion of the study's authors' code (tensorflow_privacy's
+    `compute_dp_sgd_privacy_lib`, user-level path): `accounting.group_privacy_rdp_epsilon`.
+    """
+
+    name: ClassVar[str] = "group_rdp"
+    accountant: ClassVar[str] = "rdp_poisson_subsampled_gaussian+group_privacy"
+
+    def epsilon(self, noise_multiplier, delta, *, steps=None, extra_events=(),
+                discretization=accounting.FINE_DISCRETIZATION) -> float:
+        if tuple(extra_events):
+            raise PrivacyError("the group-privacy accountant is for the comparison figure only; it takes no extra events.")
+        n = self.steps if steps is None else int(steps)
+        return accounting.group_privacy_rdp_epsilon(noise_multiplier, self.sampling_rate, n, delta, self.group_size)
+
+
 #: Training methods by the name configs, plans and ledgers use.
 METHODS: dict[str, type[Mechanism]] = {"els": ELS, "uls": ULS}
 #: Also accepted where the comparison baseline is allowed (the CLI, the accounting comparison).
-ACCOUNTANTS: dict[str, type[Mechanism]] = {**METHODS, "group": GroupPrivacyELS}
+ACCOUNTANTS: dict[str, type[Mechanism]] = {**METHODS, "group": GroupPrivacyELS, "group_rdp": GroupPrivacyRdpELS}
 
 
 def get(name: str, *, comparison: bool = False) -> type[Mechanism]:
