@@ -14,3 +14,7 @@ import sys
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+
+# The accountant memo (userdp.privacy.memo) is the pipeline's: tests compute every epsilon afresh, and the
+# snakemake runs they start set their own (under their working directory) from the Snakefile.
+os.environ.pop("USERDP_ACCOUNTING_MEMO", None)

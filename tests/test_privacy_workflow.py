@@ -102,4 +102,5 @@ def test_plan_rules_produce_the_plans(tmp_path):
     t = df.pivot_table(index=["epsilon", "group_size"], columns="accountant", values="noise_multiplier")
     assert (t["els"] <= t["group"] * (1 + 1e-9)).all() and (t["els"] <= t["group_rdp"] * (1 + 1e-9)).all()
     assert (tmp_path / "results/figures/noise_vs_group_size.pdf").stat().st_size > 0
+    assert list((tmp_path / "results/cache/accounting").glob("*.json"))  # the jobs shared the accountant memo
     assert (tmp_path / "results/logs/plan/tiny/method~els/eps~2/budget~600.log").exists()

@@ -1,4 +1,5 @@
 # Shared set-up: config validation, wildcard constraints, target lists.
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from userdp import layout
 from userdp.config import validate_config
+from userdp.privacy import memo
 from userdp.errors import ConfigError
 from snakemake.exceptions import WorkflowError
 
@@ -18,6 +20,10 @@ if _targets_as_config:
         "config files: --configfile takes every word after it. Put targets first: "
         "snakemake TARGET ... --configfile my.yaml"
     )
+
+# The jobs share one memo of accountant results (the plan's, the ledgers' and selection's epsilons are the same
+# computations); USERDP_ACCOUNTING_MEMO="" turns it off.
+os.environ.setdefault(memo.ENV, layout.ACCOUNTING_MEMO)
 
 try:
     validate_config(config, source="config (config/config.yaml and --configfile/--config)")

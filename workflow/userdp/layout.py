@@ -91,6 +91,8 @@ _LR = "lr~{lr}"
 PLAN = "results/plan/{dataset}/" + _SETTING + ".json"
 GROUP_PLAN = "results/plan/{dataset}/" + _SETTING + "/" + _GROUP + ".json"
 ACCOUNTING_COMPARISON = "results/accounting/comparison.parquet"
+#: The accountant memo shared by the pipeline's jobs (userdp.privacy.memo; safe to delete).
+ACCOUNTING_MEMO = "results/cache/accounting"
 
 # Models. A saved model folder holds MODEL_FILES.
 MODEL_CONFIG = "config.json"

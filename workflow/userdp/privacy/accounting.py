@@ -42,6 +42,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
 
 from ..errors import AccountingLimitError, PrivacyError
+from . import memo
 
 #: Discretization of the privacy loss at which epsilons are reported.
 FINE_DISCRETIZATION = 1e-4
@@ -500,10 +501,21 @@ def epsilon(event: dp_accounting.DpEvent, delta: float, discretization: float = 
     extra = tuple(fixed)
     if not steps:
         return fixed_events_epsilon(extra, delta, discretization)
+    # The same flattened computation recurs across plan, ledgers and selection: memo.py (on in the pipeline).
+    k = memo.key("pld", sorted(steps.items()), extra, float(delta), float(discretization))
+    hit = memo.lookup(k)
+    if hit is not None:
+        return hit
+    value = _steps_epsilon(steps, extra, delta, discretization)
+    memo.store(k, value)
+    return value
+
+
+def _steps_epsilon(steps: dict, extra: tuple, delta: float, discretization: float) -> float:
     if extra:
         _fixed_pld(extra, float(discretization))  # cached; refuses an oversized release before the steps are built
     pld = None
-    for key, n in steps.items():
+    for key, n in sorted(steps.items()):  # the memo's key order
         part = _composed_step_pld(key, int(n), float(discretization))
         if pld is not None:
             check_pld_size(pld_points(pld) + pld_points(part), "the composition of different step events",
