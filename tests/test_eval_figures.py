@@ -253,3 +253,29 @@ def test_noise_vs_group_size_shows_both_group_privacy_baselines(tmp_path):
         ys = sorted(round(float(line.get_ydata()[0]), 6) for line in rax.get_lines() if line.get_color() != "gray")
         assert ys == [1.05, 1.2]
     saved(fig, tmp_path, "noise_vs_group_size")
+
+
+def test_footnotes_overlap_no_legend_title_or_axes():
+    """The notes (which epsilon, derived seeds) sit outside everything else the figure draws."""
+    from matplotlib.transforms import Bbox
+
+    from userdp.plotting.lm import DERIVED_SEEDS_NOTE, footnote
+
+    summary = fake_summary(epsilons=(1, 8), budgets=((1000, 50), (4000, 50)), seeds=(0, 1, 2))
+    for make in (lm.loss_vs_budget, lm.loss_vs_epsilon, lm.uls_minus_els):
+        fig = make(summary=summary, pretrained=PRE, dataset="a")
+        footnote(fig, "ε = the released model's guarantee")
+        footnote(fig, DERIVED_SEEDS_NOTE)
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        notes = [t for t in fig.texts if t.get_text() in ("ε = the released model's guarantee", DERIVED_SEEDS_NOTE)]
+        assert len(notes) == 2
+        others = [a.get_tightbbox(r) for a in fig.axes] + [leg.get_window_extent(r) for leg in fig.legends]
+        if fig._suptitle is not None:
+            others.append(fig._suptitle.get_window_extent(r))
+        boxes = [t.get_window_extent(r) for t in notes]
+        assert not Bbox.intersection(boxes[0], boxes[1]) or Bbox.intersection(boxes[0], boxes[1]).height <= 0
+        for b in boxes:
+            for o in others:
+                inter = Bbox.intersection(b, o)
+                assert inter is None or inter.width <= 0 or inter.height <= 0, (make.__name__, o)

@@ -355,9 +355,24 @@ def epsilon_footnote(fig: Figure, summary: pd.DataFrame) -> Figure:
     """`fig` with a footnote saying which epsilon its ε shows (`epsilon_note`)."""
     note = epsilon_note(summary)
     if note:
-        fig.text(0.005, 0.018, note, fontsize=6.5, color="0.3", ha="left", va="bottom")
+        footnote(fig, note)
     return fig
 
+
+def footnote(fig: Figure, text: str) -> None:
+    """A note line above the figure's title, outside the canvas (a second call adds a line above it).
+
+    Constrained layout does not see plain figure texts, and it fills the
+    bottom margin with the legend; above the canvas nothing else is drawn.
+    The figure is saved with bbox_inches="tight" (`output.save_figure`),
+    which takes the lines in.
+    """
+    from matplotlib.transforms import ScaledTranslation
+
+    line = len(getattr(fig, "_userdp_footnotes", []))
+    offset = ScaledTranslation(0, (2 + 10 * line) / 72, fig.dpi_scale_trans)
+    fig.text(0.005, 1.0, text, fontsize=6.5, color="0.3", ha="left", va="bottom", transform=fig.transFigure + offset)
+    fig._userdp_footnotes = [*getattr(fig, "_userdp_footnotes", []), text]
 
 
 DERIVED_SEEDS_NOTE = f"privacy.secret_seeds: {seed_secrecy.DERIVED_CAVEAT}"
@@ -366,7 +381,7 @@ DERIVED_SEEDS_NOTE = f"privacy.secret_seeds: {seed_secrecy.DERIVED_CAVEAT}"
 def seeds_footnote(fig: Figure, summary: pd.DataFrame) -> Figure:
     """`fig` with a footnote when any cell's seeds are derived (the summary's `seeds_mode`, from the ledgers)."""
     if "seeds_mode" in summary.columns and (summary["seeds_mode"] == "derived").any():
-        fig.text(0.005, 0.002, DERIVED_SEEDS_NOTE, fontsize=6.5, color="0.3", ha="left", va="bottom")
+        footnote(fig, DERIVED_SEEDS_NOTE)
     return fig
 
 
