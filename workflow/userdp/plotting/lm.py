@@ -272,7 +272,7 @@ def uls_minus_els(summary: pd.DataFrame, pretrained: Mapping | None, dataset: st
     ax.set_xlabel(BUDGET_LABEL, fontsize=9)
     ax.set_ylabel("user-level ε (∞: non-private)")
     fig.colorbar(im, ax=ax, label="ULS - ELS test loss (nats/token)\nblue: ULS better, red: ELS better")
-    fig.suptitle(f"{dataset}: ULS - ELS test loss, mean and 95% interval over seeds "
+    fig.suptitle(f"{dataset}: ULS - ELS test loss "
                  f"({_seed_note(_main(summary))}; * interval excludes 0)", fontsize=10)
     return seeds_footnote(epsilon_footnote(fig, summary), summary)
 
