@@ -340,3 +340,42 @@ def test_uls_with_too_small_physical_batch_fails_early(tmp_path, pool):
     with pytest.raises(DataError, match="group_size"):
         engine.train(tiny_model(), pool, bad, settings(), engine.RunPaths(tmp_path), seeds(), 0,
                      gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
+
+
+def test_sigterm_saves_a_checkpoint_after_the_step_and_the_resumed_run_is_identical(tmp_path, pool):
+    """SIGTERM (SLURM's preemption signal) mid-run: the step in progress finishes, the checkpoint is written
+    although no periodic one is due, the job exits with 143, and the resubmitted run ends bitwise equal to an
+    uninterrupted one. The previous SIGTERM handler is back afterwards."""
+    import os
+    import signal
+
+    T = 6
+    plan = plan_for(pool, "els", expected=2.5, steps=T, sigma=0.7, clip=0.5)
+    s = settings(optimizer="adam", checkpoint_every=100, physical_batch_size=4)
+
+    def run(path, **kw):
+        model = tiny_model(seed=1)
+        out = engine.train(model, pool, plan, s, engine.RunPaths(path), seeds(), 0, compute_epsilon=fake_epsilon,
+                           **kw)
+        return model, out
+
+    ref_model, _ = run(tmp_path / "ref")
+    previous = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def term_at_3(step, row):
+        seen.append(step)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, delivered to this process
+
+    with pytest.raises(SystemExit) as exc:
+        run(tmp_path / "a", on_step=term_at_3)
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert seen == [1, 2, 3]  # stopped after the step in progress
+    assert (tmp_path / "a" / "checkpoint" / "state.pt").exists()  # only the SIGTERM path could have written it
+    assert not (tmp_path / "a" / "ledger.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is previous
+    resumed = []
+    m2, out2 = run(tmp_path / "a", on_step=lambda st, r: resumed.append(st))
+    assert resumed == [4, 5, 6] and out2.complete
+    assert torch.equal(params_vector(m2), params_vector(ref_model))

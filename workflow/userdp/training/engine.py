@@ -23,8 +23,9 @@ same sampling and division, with no clipping and no noise.
 `RunState` owns the state of every component (model, optimizer, scheduler,
 sampler, noise generator, torch/CUDA RNG, counters, log rows); every
 `checkpoint_every` steps it is saved atomically in the run's `checkpoint/`
-folder; a restarted job resumes from it, so the total number of noisy steps a
-released model has seen is exactly T. When the run completes, the model,
+folder, and also when the job gets SIGTERM (after the step in progress; it then
+exits with 143); a restarted job resumes from it, so the total number of noisy
+steps a released model has seen is exactly T. When the run completes, the model,
 train_log.parquet and ledger.json are written and the checkpoint is deleted.
 
 Several processes (torchrun; `userdp.training.distributed`): when
@@ -40,6 +41,8 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import signal
+import threading
 import time
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
@@ -507,6 +510,30 @@ class _Progress:
                  self.total, run.rows[-1]["loss"], ex_rate, eta, step_log.KEY)
 
 
+class _StopOnSigterm:
+    """While training, SIGTERM (SLURM's preemption and time-limit signal, snakemake's stop) asks the loop to stop
+    after the step in progress, save the checkpoint atomically and exit with 128 + SIGTERM, so that the
+    resubmitted job resumes there instead of from the last periodic checkpoint. Only in the main thread of a
+    single-process run (data-parallel ranks stop at different steps; they keep the previous handler)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = False
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def __enter__(self) -> "_StopOnSigterm":
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
 def train(
     model: torch.nn.Module,
     pool: TrainingPool,
@@ -578,26 +605,34 @@ def train(
              device, dist.world_size if dist is not None else 1)
     unchecked = True  # the first update at a learning rate > 0 in this invocation must move a parameter
     progress, done_now, saved_at = _Progress(mech.steps, settings.log_every_s, settings.debug_step_log), 0, run.step
-    while run.step < mech.steps and (max_steps is None or done_now < max_steps):
-        t0 = time.monotonic()
-        observed: dict[str, Any] | None = None if observe is None else {}
-        sel, sums = dp_step(observed)
-        norms = dp_step.update_norms()  # before the optimizer step, which may touch p.grad
-        before = _fingerprints(run.params) if unchecked else None
-        row = run.record(sel, sums, run.update(), time.monotonic() - t0, norms)
-        if before is not None and row["learning_rate"] > 0:  # a zero rate (warm-up start, replay tests) moves nothing
-            _check_moved(run.params, before, run.step)
-            unchecked = False
-        done_now += 1
-        if on_step is not None:
-            on_step(run.step, row)
-        if observe is not None:
-            observe(StepObservation(run.step, sel, observed["clipped_sum"], observed["noise"], sums.nonfinite_units))
-        if run.step % settings.checkpoint_every == 0 and run.step < mech.steps:
+    with _StopOnSigterm(enabled=dist is None) as stop:
+        while run.step < mech.steps and not stop.requested and (max_steps is None or done_now < max_steps):
+            t0 = time.monotonic()
+            observed: dict[str, Any] | None = None if observe is None else {}
+            sel, sums = dp_step(observed)
+            norms = dp_step.update_norms()  # before the optimizer step, which may touch p.grad
+            before = _fingerprints(run.params) if unchecked else None
+            row = run.record(sel, sums, run.update(), time.monotonic() - t0, norms)
+            if before is not None and row["learning_rate"] > 0:  # a zero rate (warm-up, replay tests) moves nothing
+                _check_moved(run.params, before, run.step)
+                unchecked = False
+            done_now += 1
+            if on_step is not None:
+                on_step(run.step, row)
+            if observe is not None:
+                observe(StepObservation(run.step, sel, observed["clipped_sum"], observed["noise"],
+                                        sums.nonfinite_units))
+            if run.step % settings.checkpoint_every == 0 and run.step < mech.steps:
+                save()
+                saved_at = run.step
+                distributed.check_replicas(run.params, dist, device)
+            progress(run, done_now)
+    if stop.requested and run.step < mech.steps:
+        if saved_at != run.step:
             save()
-            saved_at = run.step
-            distributed.check_replicas(run.params, dist, device)
-        progress(run, done_now)
+        log.warning("SIGTERM: stopped after step %d/%d; checkpoint saved, the resubmitted job resumes from it",
+                    run.step, mech.steps)
+        raise SystemExit(128 + signal.SIGTERM)
     if run.step < mech.steps:
         if saved_at != run.step:
             save()
