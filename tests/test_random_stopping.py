@@ -263,14 +263,14 @@ def test_dry_run_schedules_one_job_per_private_cell_and_no_learning_rate_runs(tm
     cfg = tmp_path / "rs.yaml"
     cfg.write_text("privacy:\n  selection: {accounting: random_stopping, mean_runs: 2}\n"
                    "training:\n  learning_rates: [0.001, 0.003]\n"
-                   "grid:\n  group_size_sweep: []\n")
+                   "grid:\n  group_size_sweep: []\n  budgets: [{compute: 8000, steps: 50}]\n")
     res = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--quiet", "rules", "--directory", str(tmp_path),
                           "-s", str(REPO / "Snakefile"), "--configfile", str(REPO / "config" / "config.yaml"), str(cfg)],
                          capture_output=True, text=True, cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     counts = {line.split()[0]: int(line.split()[1]) for line in res.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
-    # the default grid: 2 methods x 2 finite epsilons private cells, 2 eps~inf references with 2 rates each
+    # the default grid at one budget: 2 methods x 2 finite epsilons private cells, 2 eps~inf references with 2 rates each
     assert counts["random_stopping"] == 4, res.stdout
     assert counts["select_lr"] == 2 and counts["finetune"] == 4, res.stdout
     assert "finetune_group" not in counts
