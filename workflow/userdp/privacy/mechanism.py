@@ -233,8 +233,12 @@ class GroupPrivacyELS(ELS):
                 discretization=accounting.FINE_DISCRETIZATION) -> float:
         if tuple(extra_events):
             raise PrivacyError("the group-privacy accountant is for the comparison figure only; it takes no extra events.")
-        n = self.steps if steps is None else int(steps)
-        return accounting.group_privacy_epsilon(noise_multiplier, self.sampling_rate, n, delta, self.group_size,
+        return self._group_epsilon(noise_multiplier, self.steps if steps is None else int(steps), delta,
+                                   discretization)
+
+    def _group_epsilon(self, noise_multiplier, steps, delta, discretization) -> float:
+        """The conversion of this baseline (PLD here; `GroupPrivacyRdpELS`: RDP)."""
+        return accounting.group_privacy_epsilon(noise_multiplier, self.sampling_rate, steps, delta, self.group_size,
                                                 discretization)
 
     def calibration_target(self, epsilon, delta):
@@ -257,12 +261,8 @@ class GroupPrivacyRdpELS(GroupPrivacyELS):
     name: ClassVar[str] = "group_rdp"
     accountant: ClassVar[str] = "rdp_poisson_subsampled_gaussian+group_privacy"
 
-    def epsilon(self, noise_multiplier, delta, *, steps=None, extra_events=(),
-                discretization=accounting.FINE_DISCRETIZATION) -> float:
-        if tuple(extra_events):
-            raise PrivacyError("the group-privacy accountant is for the comparison figure only; it takes no extra events.")
-        n = self.steps if steps is None else int(steps)
-        return accounting.group_privacy_rdp_epsilon(noise_multiplier, self.sampling_rate, n, delta, self.group_size)
+    def _group_epsilon(self, noise_multiplier, steps, delta, discretization) -> float:
+        return accounting.group_privacy_rdp_epsilon(noise_multiplier, self.sampling_rate, steps, delta, self.group_size)
 
 
 #: Training methods by the name configs, plans and ledgers use.

@@ -26,10 +26,11 @@ import json
 import logging
 import math
 import os
-import tempfile
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+
+from ..io import write_json
 
 log = logging.getLogger(__name__)
 
@@ -88,20 +89,12 @@ def lookup(k: str) -> float | None:
 
 
 def store(k: str, value: float) -> None:
-    """Record `value` for key `k` (atomically; a failure to write is logged and ignored)."""
+    """Record `value` for key `k` (atomically, `io.write_json`; a failure to write is logged and ignored)."""
     root = folder()
     if root is None:
         return
     path = _path(root, k)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".memo-", suffix=".tmp", dir=root)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"key": k, "value": "inf" if math.isinf(value) else float(value)}, fh)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json(path, {"key": k, "value": float(value)})  # inf is written as "inf"
     except OSError as exc:
         log.debug("accounting memo %s not written (%s)", path, exc)

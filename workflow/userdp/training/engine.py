@@ -627,16 +627,14 @@ def train(
                 saved_at = run.step
                 distributed.check_replicas(run.params, dist, device)
             progress(run, done_now)
-    if stop.requested and run.step < mech.steps:
-        if saved_at != run.step:
-            save()
-        log.warning("SIGTERM: stopped after step %d/%d; checkpoint saved, the resubmitted job resumes from it",
-                    run.step, mech.steps)
-        raise SystemExit(128 + signal.SIGTERM)
     if run.step < mech.steps:
         if saved_at != run.step:
             save()
         distributed.broadcast_object(None, dist, device)  # no rank returns before the checkpoint is written
+        if stop.requested:
+            log.warning("SIGTERM: stopped after step %d/%d; checkpoint saved, the resubmitted job resumes from it",
+                        run.step, mech.steps)
+            raise SystemExit(128 + signal.SIGTERM)
         log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", run.step, mech.steps)
         return TrainOutcome(False, run.step, None, run.frame())
     return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon, dp_step.expected)
