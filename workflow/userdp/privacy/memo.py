@@ -27,9 +27,9 @@ import logging
 import math
 import os
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
+from ..code_version import sources_digest
 from ..io import write_json
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,8 @@ _SOURCES = ("accounting.py", "rdp.py", "memo.py")
 
 @lru_cache(maxsize=1)
 def _code_version() -> str:
-    h = hashlib.sha256()
     here = Path(__file__).parent
-    for name in _SOURCES:
-        h.update(name.encode())
-        h.update((here / name).read_bytes())
-    try:
-        h.update(metadata.version("dp-accounting").encode())
-    except metadata.PackageNotFoundError:  # pragma: no cover - dp-accounting is a dependency
-        h.update(b"dp-accounting unknown")
-    return h.hexdigest()
+    return sources_digest([here / name for name in _SOURCES], packages=("dp-accounting",))
 
 
 def folder() -> Path | None:

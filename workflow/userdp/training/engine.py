@@ -52,13 +52,13 @@ import pandas as pd
 import torch
 
 from ..errors import DataError, PrivacyError
-from ..io import write_json, write_parquet
+from ..io import read_frame, read_json, write_json, write_parquet
 from ..layout import LEDGER, RUN_MODEL, TRAIN_LOG, fmt_num
 from ..privacy import mechanism as privacy_mechanism
 from ..privacy.planner import sizes_from_release
 from ..seeding import derive_seed
 from . import checkpoint as ckpt
-from . import distributed, step_log
+from . import distributed, finished, step_log
 from .batching import StepSelection, check_uls_fits, pack_micro_batches, select_els, select_uls
 from .ledger import build_ledger
 from .models import autocast_context, resolve_device, save_model_atomic
@@ -82,6 +82,7 @@ class RunPaths:
     """Where a run writes: ledger, per-step log, final model, checkpoint."""
 
     run_dir: Path
+    log: Path | None = None  # the job's log file (kept in the finished record, see userdp.training.finished)
     ledger: Path = field(init=False)
     train_log: Path = field(init=False)
     model_dir: Path = field(init=False)
@@ -89,6 +90,7 @@ class RunPaths:
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
+        self.log = None if self.log is None else Path(self.log)
         self.ledger = self.run_dir / LEDGER
         self.train_log = self.run_dir / TRAIN_LOG
         self.model_dir = self.run_dir / RUN_MODEL
@@ -587,6 +589,13 @@ def train(
     dp_step = DPStep(mech, pool, run.sampler, run.noise, grads, run.params, settings, pad_id, device, dist,
                      expected=divisor)
     fp = run_fingerprint(plan, settings, device, seeds, pool, model, n_units)
+    # A finished attempt whose outputs snakemake never recorded (it was killed): link them back, do not retrain.
+    main = dist is None or dist.is_main
+    if distributed.broadcast_object(finished.restore(paths.run_dir, fp, paths.log) if main else None, dist, device):
+        if main:
+            ckpt.remove_checkpoint(paths.checkpoint_dir)
+        ledger = read_json(paths.ledger)
+        return TrainOutcome(True, int(ledger["steps_completed"]), ledger, read_frame(paths.train_log))
     if (saved := ckpt.load_checkpoint(paths.checkpoint_dir, fp)) is not None:
         run.load_state_dict(saved)
         log.info("resumed from checkpoint at step %d/%d (%s)", run.step, mech.steps, paths.checkpoint_dir)
@@ -637,7 +646,7 @@ def train(
             raise SystemExit(128 + signal.SIGTERM)
         log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", run.step, mech.steps)
         return TrainOutcome(False, run.step, None, run.frame())
-    return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon, dp_step.expected)
+    return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon, dp_step.expected, fp)
 
 
 def _adapter_record(model: torch.nn.Module) -> dict[str, Any] | None:
@@ -673,8 +682,9 @@ def _check_moved(params: list[torch.Tensor], before: torch.Tensor, step: int) ->
 
 def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings, paths: RunPaths,
             seeds: dict[str, Any], device: torch.device, dist: distributed.DistContext | None,
-            compute_epsilon: Callable[..., float] | None, divisor: float) -> TrainOutcome:
-    """After the last step: rank 0 writes model, log and ledger, then deletes the checkpoint.
+            compute_epsilon: Callable[..., float] | None, divisor: float, fp: str) -> TrainOutcome:
+    """After the last step: rank 0 writes model, log and ledger, records them (`finished`; fingerprint `fp`),
+    then deletes the checkpoint.
 
     `divisor` is the expected batch the noisy sums were divided by. With DP contribution statistics the
     ledger leaves out the pool's exact sizes (N_G and the examples before bounding): statistics of the counts.
@@ -713,8 +723,10 @@ def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: T
     # Per-step noise-free values (batch loss, realised sizes, timing) only with training.debug_step_log.
     write_parquet(paths.train_log, frame[step_log.released_columns(settings.debug_step_log)])
     write_json(paths.ledger, ledger)
-    # Outputs are complete; the checkpoint is no longer needed (it can be as
-    # large as model + optimizer state).
+    # Outputs are complete: record them, so a rerun snakemake asks for (it was killed before recording them)
+    # restores instead of retraining; the checkpoint is no longer needed (as large as model + optimizer state,
+    # and it holds the secret noise state).
+    finished.record(paths.run_dir, [paths.model_dir, paths.train_log, paths.ledger], fp, paths.log)
     ckpt.remove_checkpoint(paths.checkpoint_dir)
     distributed.broadcast_object(ledger, dist, device)
     log.info("run complete: %d steps, epsilon %.4g, realised compute %s", run.step, ledger["epsilon"],

@@ -80,7 +80,7 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
     seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G,
                              float(job.learning_rate), secret=seed_secrecy.secret_seeds(config, job.dataset),
                              trial=job.trial)
-    outcome = engine.train(model, train_pool, plan, settings, engine.RunPaths(job.run_dir), seeds, pad_id, dist=dist)
+    outcome = engine.train(model, train_pool, plan, settings, engine.RunPaths(job.run_dir, job.log), seeds, pad_id, dist=dist)
     if not outcome.complete:
         raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{plan['steps']}")
     return outcome
