@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -290,3 +291,73 @@ def test_error_mid_stream_leaves_no_output_and_no_workers(tmp_path, tok_dir, mon
     else:
         raise AssertionError("the error in frame() did not propagate")
     assert not (tmp_path / "tokens.parquet").exists()
+
+
+KILLED_CHILD = r"""
+import sys, time
+from pathlib import Path
+import userdp.data.tokenize as t
+
+ex, tok, out, ready = sys.argv[1:5]
+orig = t.frame
+
+def slow_frame(*a, **k):  # keeps the job in progress (workers alive, temp file open) until it is killed
+    Path(ready).write_text("1")
+    time.sleep(0.5)
+    return orig(*a, **k)
+
+t.frame = slow_frame
+if __name__ == "__main__":
+    t.tokenize_examples(ex, tok, out, seq_len=8, batch_rows=5, threads=2)
+"""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_kill_9_of_tokenize_ends_its_workers_and_the_rerun_removes_its_temp_file(tmp_path, tok_dir):
+    """Workers die with their parent (userdp.workers); the killed job's .tokens.parquet.*.tmp goes at the rerun."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pq.write_table(examples_table(["the cat sat on the mat ."] * 200), tmp_path / "examples.parquet")
+    script = tmp_path / "child.py"
+    script.write_text(KILLED_CHILD)
+    out, ready = tmp_path / "tokens.parquet", tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "examples.parquet"), str(tok_dir),
+                             str(out), str(ready)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "tokenize did not start"
+            time.sleep(0.05)
+        members = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == proc.pid]
+        assert len(members) >= 3, "expected the job and its 2 workers"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _group_alive(proc.pid):
+            assert time.monotonic() < deadline, "tokenize workers outlived their killed parent"
+            time.sleep(0.1)
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tokens.parquet.")]
+    assert len(leftovers) == 1 and f"-{proc.pid}." in leftovers[0]
+    tokenize_examples(tmp_path / "examples.parquet", tok_dir, out, seq_len=8, batch_rows=50)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tokens.parquet.")]
+    assert pq.read_table(out).num_rows == 200
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None

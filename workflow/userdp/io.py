@@ -3,14 +3,24 @@
 Every stage writes through these helpers: the content goes to a temporary
 file next to the target and is renamed into place only when complete, so a
 killed job never leaves a half-written file that looks finished.
+
+Temporary names carry the host and process id (`.{name}.{host}-{pid}.*`):
+a job killed with SIGKILL (no cleanup runs) leaves its temporary file behind,
+and the next write of the same target removes every such leftover whose
+process is gone (`remove_stale_temps`), so reruns never pile up hidden
+gigabytes. Leftovers of live processes or other hosts are left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
+import re
+import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,6 +29,57 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import DataError
+
+log = logging.getLogger(__name__)
+
+#: This host's name as it appears in temporary names (no dots: the name's fields are dot-separated).
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def temp_prefix(path: str | os.PathLike) -> str:
+    """The prefix of this process's temporary files and folders for `path`: `.{name}.{host}-{pid}.`."""
+    return f".{Path(path).name}.{_HOST}-{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files and folders of `path` left by dead processes of this host; return them."""
+    path = Path(path)
+    lead = f".{path.name}.{_HOST}-"
+    removed: list[Path] = []
+    try:
+        entries = [e for e in path.parent.iterdir() if e.name.startswith(lead)]
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        pid = entry.name[len(lead):].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        removed.append(entry)
+        log.info("removed %s, left by a killed process (pid %s)", entry, pid)
+    return removed
+
+
+def make_temp_dir(path: str | os.PathLike) -> Path:
+    """A new temporary folder next to `path` (for folder artifacts), after removing stale ones."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
+    return Path(tempfile.mkdtemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent))
 
 
 @contextlib.contextmanager
@@ -32,8 +93,9 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | 
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     fd, tmp = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix=suffix if suffix is not None else ".tmp", dir=path.parent
+        prefix=temp_prefix(path), suffix=suffix if suffix is not None else ".tmp", dir=path.parent
     )
     os.close(fd)
     tmp_path = Path(tmp)

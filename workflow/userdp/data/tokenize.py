@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -43,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ConfigError, DataError
-from ..io import ParquetBatchWriter, streaming_parquet, write_json
+from ..io import ParquetBatchWriter, make_temp_dir, streaming_parquet, write_json
 from ..logutil import Progress
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -153,7 +152,7 @@ def _save(hf, out_dir: str | Path, info: dict) -> dict:
             "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id, "pad_token_id": hf.pad_token_id,
         }
     )
-    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=out_dir))
+    tmp = make_temp_dir(out_dir / "tokenizer.json")
     try:
         hf.save_pretrained(tmp)
         if not (tmp / "tokenizer.json").exists():
@@ -243,15 +242,16 @@ def encoded_batches(
         return
     import collections
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+
+    from ..workers import process_pool
 
     # spawn, not fork: a forked child of a process whose Rayon pool or Arrow
     # threads already ran can deadlock (and tokenizers disables itself there).
     ctx = multiprocessing.get_context("spawn")
     log.info("encoding in %d worker processes", workers)
     pending: collections.deque = collections.deque()
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                             initargs=(_backend(tok).to_str(),)) as pool:
+    with process_pool(workers, mp_context=ctx, initializer=_worker_init,
+                      initargs=(_backend(tok).to_str(),)) as pool:
         try:
             for batch in batches:
                 pending.append((batch, pool.submit(_worker_encode, batch.column("text"))))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,6 +32,7 @@ from ..layout import fmt_num
 from ..privacy.contributions import ExactCounts
 from ..privacy.mechanism import METHODS as MECHANISMS
 from ..seeding import seed_sequence
+from ..workers import process_pool
 from .mean_estimation_population import Population, contribution_counts
 from .mean_estimation_sgd import run_els, run_uls
 
@@ -211,7 +211,7 @@ def calibrate_cells(
     start = time.monotonic()
     if calibrate_fn is None:
         if workers > 1 and len(keys) > 1:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            with process_pool(workers) as pool:
                 values = list(pool.map(_real_calibrate, *zip(*keys)))
         else:
             values = [_real_calibrate(*k) for k in keys]

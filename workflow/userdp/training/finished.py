@@ -32,11 +32,11 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 from ..code_version import package_digest
+from ..io import make_temp_dir
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def record(run_dir: str | os.PathLike, outputs: Iterable[Path], fingerprint: str
     outputs = [Path(p) for p in outputs]
     folder = run_dir / "finished"
     files = _files(run_dir, outputs)
-    tmp = Path(tempfile.mkdtemp(prefix=".finished.tmp-", dir=run_dir))
+    tmp = make_temp_dir(folder)
     try:
         for rel in files:
             _link(run_dir / rel, tmp / rel)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError, DataError
+from ..io import make_temp_dir
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,7 @@ def save_model_atomic(model: torch.nn.Module, out_dir: str | os.PathLike) -> Non
     replaced. A killed job leaves only a hidden temporary folder behind.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = make_temp_dir(out_dir)
     try:
         model.save_pretrained(str(tmp))
         # mkdtemp makes 0700 (and some writers 0600 files): give the model the
