@@ -46,3 +46,13 @@ def test_a_users_own_parquet_keeps_the_loaders_message(tmp_path, truncated):
     with pytest.raises(DataError) as exc:
         list(src.iter_batches(4))
     assert "not a valid Parquet file" in str(exc.value) and "pipeline artifact" not in str(exc.value)
+
+
+@pytest.mark.parametrize("content", [b'{"method": "els", "sigma"', b"", b"\xff\xfe not utf-8", b"<html>"])
+def test_truncated_or_foreign_json_artifact_is_named_with_the_fix(tmp_path, content):
+    path = tmp_path / "plan.json"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as exc:
+        io.read_json(path)
+    msg = str(exc.value)
+    assert str(path) in msg and "not a readable JSON file" in msg and "rerun snakemake" in msg

@@ -219,11 +219,13 @@ def test_model_name_needs_tokenizer_name(tmp_path):
     (tmp_path / "hub_copy").mkdir()
     (tmp_path / "hub_copy" / "config.json").write_text("{}")
     (tmp_path / "hub_copy" / "tokenizer.json").write_text("{}")
+    (tmp_path / "hub_copy" / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="set tokenizer.name"):
         validate_config(with_(model={"name": str(tmp_path / "hub_copy")}))
     # ... but a folder without tokenizer files (a model this pipeline trained) uses the pipeline's BPE
     (tmp_path / "ours").mkdir()
     (tmp_path / "ours" / "config.json").write_text("{}")
+    (tmp_path / "ours" / "model.safetensors").write_bytes(b"")
     validate_config(with_(model={"name": str(tmp_path / "ours")}))
 
 
@@ -455,6 +457,15 @@ def test_a_local_model_folder_that_does_not_exist_says_so(tmp_path):
     (tmp_path / "my-llama").mkdir()
     with pytest.raises(ConfigError, match=r"a folder without config\.json"):
         validate_config(with_(model={"name": missing}, tokenizer={"name": missing}))
+    (tmp_path / "my-llama" / "config.json").write_text('{"model_type": "llama",')  # cut off by a failed copy
+    with pytest.raises(ConfigError, match=r"my-llama/config\.json is not valid JSON"):
+        validate_config(with_(model={"name": missing}, tokenizer={"name": missing}))
+    (tmp_path / "my-llama" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"a folder with config\.json but no weights"):
+        validate_config(with_(model={"name": missing}, tokenizer={"name": missing}))
+    (tmp_path / "my-llama" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    (tmp_path / "my-llama" / "tokenizer.json").write_text("{}")
+    validate_config(with_(model={"name": missing}, tokenizer={"name": missing}))  # sharded weights: accepted
     (tmp_path / "tok.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"tokenizer\.name is .*tok\.json, which is a file, not a folder"):
         validate_config(with_(tokenizer={"name": str(tmp_path / "tok.json")}))

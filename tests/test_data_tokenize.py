@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 
 import numpy as np
@@ -17,6 +18,7 @@ from userdp.data.tokenize import (
     frame,
     load_tokenizer,
     public_dataset_name,
+    load_named,
     tokenize_examples,
     tokenize_public,
     train_bpe,
@@ -361,3 +363,17 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def test_a_failed_tokenizer_load_leaves_no_stale_companions(tmp_path, tok_dir):
+    """snakemake deletes tokenizer.json before rerunning the rule; a failing load must not leave the old
+    tokenizer's other files behind (a folder that half describes a tokenizer), and a good one replaces them."""
+    out = tmp_path / "tokenizer"
+    shutil.copytree(tok_dir, out)
+    (out / "tokenizer.json").unlink()
+    assert (out / "tokenizer_config.json").exists()
+    with pytest.raises(ConfigError, match="tokenizer.name is"):
+        load_named(str(tmp_path / "no-such-tokenizer"), out)
+    assert sorted(p.name for p in out.iterdir()) == []
+    load_named(str(tok_dir), out)
+    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()

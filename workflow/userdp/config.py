@@ -10,6 +10,7 @@ use. Paths, their numbers and the grid of cells are userdp.layout's.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 from pathlib import Path
@@ -293,6 +294,30 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or Path(name).exists()
 
 
+# Weight files save_pretrained writes (whole or sharded, with its index), in any of the frameworks HF loads.
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.index.json", "tf_model.h5", "flax_model.msgpack")
+
+
+def _check_model_folder(p: Path, name: str, source: str) -> None:
+    """A local model.name folder must be a saved model: a readable config.json and weights (or a LoRA adapter)."""
+    if (p / "adapter_config.json").exists():
+        return  # a LoRA adapter folder: its base model is checked when it loads
+    cfg = p / "config.json"
+    if not cfg.exists():
+        raise ConfigError(f"{source}: model.name is {name}, a folder without config.json, so not a model "
+                          "saved with save_pretrained; point it at the folder that holds config.json and "
+                          "the weights (*.safetensors).")
+    try:
+        json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{source}: model.name is {name}, whose {cfg} is not valid JSON ({exc}); copy the "
+                          "model folder again (config.json is written by save_pretrained).") from None
+    if not any(any(p.glob(g)) for g in _WEIGHT_GLOBS):
+        raise ConfigError(f"{source}: model.name is {name}, a folder with config.json but no weights (no "
+                          "*.safetensors or pytorch_model*.bin); copy the weight files into it too, or point "
+                          "model.name at the folder that holds them.")
+
+
 def _check_model(config: dict, source: str) -> None:
     model, tok = config["model"], config["tokenizer"]
     for key, name in (("model.name", model["name"]), ("tokenizer.name", tok["name"])):
@@ -305,10 +330,8 @@ def _check_model(config: dict, source: str) -> None:
             if not p.is_dir():
                 raise ConfigError(f"{source}: {key} is {name}, which is a file, not a folder; give the folder "
                                   "that save_pretrained wrote (config.json and the weights, or tokenizer.json).")
-            if key == "model.name" and not (p / "config.json").exists():
-                raise ConfigError(f"{source}: model.name is {name}, a folder without config.json, so not a model "
-                                  "saved with save_pretrained; point it at the folder that holds config.json and "
-                                  "the weights (*.safetensors).")
+            if key == "model.name":
+                _check_model_folder(p, name, source)
     if model["name"] is None:
         n_embd, n_head = int(model["n_embd"]), int(model["n_head"])
         if n_embd % n_head:

@@ -150,8 +150,17 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    """A pipeline JSON artifact; a missing, truncated or non-JSON file is a DataError naming it and the fix."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist; rerun snakemake to build it (the rule that writes it "
+                        "runs first).") from None
+    except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DataError(f"{path} is not a readable JSON file ({str(exc)[:200]}): it was truncated or "
+                        "overwritten. It is a pipeline artifact: delete it and rerun snakemake, which rebuilds "
+                        "it with the rule that writes it (and whatever depends on it).") from None
 
 
 def write_parquet(path: str | os.PathLike, table: pa.Table | Any) -> None:

@@ -95,6 +95,7 @@ def train_bpe(public_path: str | Path, vocab_size: int, out_dir: str | Path, bat
     """Train a byte-level BPE on the public texts in `public_path`; save it in `out_dir`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    clear_stale(out_dir)
     public_path = Path(public_path)
     n_texts = streaming_parquet(public_path).metadata.num_rows
     if n_texts == 0:
@@ -118,9 +119,31 @@ def train_bpe(public_path: str | Path, vocab_size: int, out_dir: str | Path, bat
     return _save(hf, out_dir, info)
 
 
+# The files save_pretrained writes next to tokenizer.json (and our info file): without tokenizer.json (snakemake
+# deletes it before rerunning the rule) they are remains of an older tokenizer, removed before a new one is made.
+_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+               "tokenizer.model", "chat_template.jinja", INFO_FILE)
+
+
+def clear_stale(out_dir: str | Path) -> list[Path]:
+    """Remove an older tokenizer's files from `out_dir` when its tokenizer.json is gone; return them."""
+    out_dir = Path(out_dir)
+    if (out_dir / "tokenizer.json").exists():
+        return []
+    stale = [out_dir / f for f in _COMPANIONS if (out_dir / f).is_file()]
+    for f in stale:
+        f.unlink()
+    if stale:
+        log.info("removed %s: left by an older tokenizer whose tokenizer.json is gone",
+                 ", ".join(f.name for f in stale))
+    return stale
+
+
 def load_named(name: str, out_dir: str | Path) -> dict:
     """Load tokenizer `name` (hub name or local path) and save it to `out_dir` with pad/bos set."""
     from transformers import AutoTokenizer
+
+    clear_stale(out_dir)
 
     try:
         hf = AutoTokenizer.from_pretrained(name)

@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -25,6 +26,7 @@ import torch
 
 from ..errors import ConfigError, run_main
 from ..io import read_json
+from ..layout import EVAL, RUN_MODEL
 from ..privacy import seed_secrecy
 from ..seeding import derive_seed
 from . import distributed, engine, models, pool
@@ -56,9 +58,22 @@ class FinetuneJob:
     trial: int | None = None  # the run's index in a random-stopping cell (part of its seeds), else None
 
 
+def clear_stale_outputs(run_dir: Path) -> None:
+    """Remove what an earlier model of this run folder left: snakemake deletes only the declared outputs before
+    rerunning the job, so the model folder's other files (generation_config.json, ...) and the evaluation of the
+    old model (eval.json) would otherwise sit next to a run that failed or has not finished."""
+    stale = [p for p in (run_dir / RUN_MODEL, run_dir / EVAL) if p.exists()]
+    for p in stale:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if stale:
+        log.info("removed %s: left by an earlier model of this run", ", ".join(str(p) for p in stale))
+
+
 def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> engine.TrainOutcome:
     """Load the inputs and train (one process, or this rank of a data-parallel group)."""
     config = job.config
+    if dist is None or dist.is_main:
+        clear_stale_outputs(Path(job.run_dir))
     plan = read_json(job.plan)
     G = int(plan["group_size"])
     # The bounded subset depends on the dataset, G and the run seed only, so
