@@ -1,11 +1,30 @@
 # userdp: user-level DP fine-tuning, end to end.
 # Run: snakemake --cores 2   (see README.md). Config keys: config/README.md.
+import os
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
+sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
+
+from userdp import layout
+from userdp.config import read_config_file
+from userdp.errors import ConfigError
+
+# Snakemake's own message for a YAML syntax error names neither the file nor the line; ours does (files given
+# with --configfile are parsed by snakemake before this file runs: `python -m userdp check-config FILE` names
+# their line).
+if os.path.exists(layout.DEFAULT_CONFIG):
+    try:
+        read_config_file(layout.DEFAULT_CONFIG)
+    except ConfigError as exc:
+        raise WorkflowError(str(exc)) from None
 
 
-configfile: "config/config.yaml"
+configfile: layout.DEFAULT_CONFIG
 
 
 # Front page of `snakemake --report` (describes the whole pipeline).

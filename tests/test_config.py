@@ -485,3 +485,36 @@ def test_a_target_after_configfile_is_explained(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "which look like targets" in proc.stdout + proc.stderr and "Put targets first" in proc.stdout + proc.stderr
+
+
+def test_check_config_names_file_and_line_of_a_yaml_syntax_error(tmp_path, capsys):
+    """snakemake parses --configfile files itself and says only 'Config file is not valid JSON or YAML'."""
+    from userdp.cli import main
+
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("grid:\n  epsilons: [1, 2\n  seeds: [0]\n")
+    assert main(["check-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {bad} is not valid YAML at line 3, column 8" in err and "indentation" in err
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("grid:\n  seedz: [0]\n")
+    assert main(["check-config", str(typo)]) == 2
+    assert "unknown config key(s) ['seedz'] under 'grid'" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text("grid:\n  seeds: [0, 1]\n")
+    assert main(["check-config", str(good)]) == 0 and "valid" in capsys.readouterr().out
+    # alone (as with --replace-workflow-config) the file lacks the required sections
+    assert main(["check-config", str(good), "--default", "none"]) == 2
+    assert "datasets" in capsys.readouterr().err
+
+
+def test_snakemake_names_file_and_line_of_a_broken_default_config(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text("seed: 0\ngrid:\n\tepsilons: [1]\n")  # a tab
+    res = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
+                          str(tmp_path), "-n"], capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "config file config/config.yaml is not valid YAML at line 3, column 1" in out

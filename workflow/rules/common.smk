@@ -3,7 +3,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
+sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test's Snakefile includes only this
 
 from userdp import layout
 from userdp.config import validate_config

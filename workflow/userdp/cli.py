@@ -123,10 +123,35 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--epsilon", required=True, type=_positive_float("epsilon", allow_inf=True), help="target epsilon > 0 (inf: no noise)")
     c.add_argument("--tolerance", type=_positive_float("tolerance"), default=1e-3, help="relative tolerance in sigma (default 1e-3)")
     c.add_argument("--max-noise-multiplier", type=_positive_float("max noise multiplier"), default=500.0, help="give up above this sigma (default 500)")
+    k = sub.add_parser("check-config", help="check config files as snakemake would read them (over the default "
+                       "config/config.yaml), naming the file, key and line of each mistake")
+    k.add_argument("files", nargs="+", help="YAML config files, in --configfile order")
+    k.add_argument("--default", default=None, help="the default config they override (default: the repository's "
+                   "config/config.yaml; 'none': check the files alone, merged, as with --replace-workflow-config)")
     x = sub.add_parser("export-merged", help="merge a run's LoRA adapter (model.lora) into its base model and save it")
     x.add_argument("adapter", help="a run's model/ folder holding peft's adapter_config.json")
     x.add_argument("out", help="the folder to write the merged model to (must not exist yet)")
     return p
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """Parse each file (naming its line on a syntax error), merge them over the default, validate."""
+    from pathlib import Path
+
+    from . import layout
+    from .config import merge_configs, read_config_file, validate_config
+
+    default = args.default or str(Path(__file__).resolve().parents[2] / layout.DEFAULT_CONFIG)
+    try:
+        merged: dict = {} if default == "none" else read_config_file(default)
+        for f in args.files:
+            merged = merge_configs(merged, read_config_file(f))
+        validate_config(merged, source=" + ".join(args.files if default == "none" else [default, *args.files]))
+    except UserError as exc:
+        print(f"userdp check-config: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{', '.join(args.files)}: valid")
+    return 0
 
 
 def _export_merged(args: argparse.Namespace) -> int:
@@ -162,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export-merged":
         return _export_merged(args)
+    if args.command == "check-config":
+        return _check_config(args)
     from .privacy import mechanism
     from .privacy.calibration import calibrate
 

@@ -495,16 +495,40 @@ def _warn_ignored_settings(config: dict, source: str) -> None:
         )
 
 
-def load_config(path: str | Path) -> dict:
-    """Read a YAML config file and validate it."""
+def read_config_file(path: str | Path) -> dict:
+    """The mapping in a YAML (or JSON) config file; a ConfigError naming the file, and for a syntax error the
+    line and column, otherwise."""
     path = Path(path)
     try:
         with open(path, encoding="utf-8") as fh:
             config = yaml.safe_load(fh)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file {path} does not exist") from exc
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc}); save it as UTF-8.") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {exc}. Check the indentation (spaces, "
+                          "no tabs), brackets and quotes there.") from None
+    if config is None:
+        return {}
     if not isinstance(config, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(config).__name__}")
-    return validate_config(config, source=str(path))
+    return config
+
+
+def merge_configs(base: dict, override: dict) -> dict:
+    """`override` on `base`, section by section, as snakemake merges --configfile files over the default."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_configs(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a YAML config file and validate it."""
+    return validate_config(read_config_file(path), source=str(path))

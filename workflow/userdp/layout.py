@@ -67,6 +67,9 @@ def _unnamed(template: str, **wildcard_res: str) -> str:
 
 # ---------------------------------------------------------------- path templates
 
+# The workflow's default config (the Snakefile's configfile, relative to the working directory).
+DEFAULT_CONFIG = "config/config.yaml"
+
 # Data stage.
 DOWNLOADS = "data"  # raw downloads and caches, one folder per dataset (data/{dataset}/)
 DOWNLOAD = DOWNLOADS + "/{dataset}/download.json"
