@@ -23,3 +23,11 @@ def test_a_failed_rerun_leaves_no_files_of_the_earlier_model(tmp_path):
     with pytest.raises(DataError, match=r"missing_plan\.json does not exist; rerun snakemake"):
         finetune_job.run_job(job)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+
+def test_an_empty_model_folder_snakemake_made_is_not_reported_stale(tmp_path, caplog):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    with caplog.at_level("INFO"):
+        finetune_job.clear_stale_outputs(run)
+    assert (run / "model").is_dir() and "removed" not in caplog.text

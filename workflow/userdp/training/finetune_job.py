@@ -62,7 +62,8 @@ def clear_stale_outputs(run_dir: Path) -> None:
     """Remove what an earlier model of this run folder left: snakemake deletes only the declared outputs before
     rerunning the job, so the model folder's other files (generation_config.json, ...) and the evaluation of the
     old model (eval.json) would otherwise sit next to a run that failed or has not finished."""
-    stale = [p for p in (run_dir / RUN_MODEL, run_dir / EVAL) if p.exists()]
+    model_dir = run_dir / RUN_MODEL  # snakemake creates it (empty) for the outputs: only files in it are stale
+    stale = [p for p in (model_dir, run_dir / EVAL) if p.is_file() or (p.is_dir() and any(p.rglob("*")))]
     for p in stale:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     if stale:
