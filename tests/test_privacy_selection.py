@@ -156,3 +156,11 @@ def test_the_rdp_integral_is_refused_up_front_above_its_bound(monkeypatch):
     assert integrals == []  # refused before integrating any order
     rdp._rdp_of(mechanism.ELS(0.02, 100, 8).step_event(1.0), [2.0])
     assert len(integrals) == 2  # a normal case integrates (forward and backward)
+
+
+def test_the_meaning_reads_for_one_and_for_several_runs():
+    from userdp.privacy.selection import Selection
+
+    assert Selection("composed", 1).meaning() == "released model: its one learning-rate run (target met by the " \
+        "selection)"
+    assert "the 3 learning-rate runs composed" in Selection("per_run", 3).meaning()

@@ -49,8 +49,8 @@ KEY = "privacy.selection"
 
 #: What `epsilon` of a released model means, per mode (ledger `epsilon_meaning`, figure captions).
 MEANING = {
-    "composed": "released model: the {k} learning-rate runs composed (target met by the selection)",
-    "per_run": "released model: the {k} learning-rate runs composed (the grid epsilon is each run's own)",
+    "composed": "released model: {runs} (target met by the selection)",
+    "per_run": "released model: {runs} (the grid epsilon is each run's own)",
     "random_stopping": "released model: private selection among a random number of runs (mean {mean:g}, "
                        "Papernot-Steinke RDP bound)",
 }
@@ -128,7 +128,9 @@ class Selection:
         return self.mode != "per_run"
 
     def meaning(self) -> str:
-        return MEANING[self.mode].format(k=self.candidates, mean=self.mean_runs or 0)
+        runs = ("its one learning-rate run" if self.candidates == 1
+                else f"the {self.candidates} learning-rate runs composed")
+        return MEANING[self.mode].format(runs=runs, mean=self.mean_runs or 0)
 
 
     # ------------------------------------------------------------ accounting
