@@ -118,9 +118,15 @@ def test_yaml_exponent_without_dot_gets_a_spelling_hint():
     cfg = minimal()
     cfg.update(yaml.safe_load("privacy: {delta: 1e-6}\ntraining: {learning_rates: [1e-3]}"))
     assert cfg["privacy"]["delta"] == "1e-6"  # the YAML behaviour the hint is about
-    with pytest.raises(ConfigError, match=r"'privacy.delta' is the string '1e-6'.*e\.g\. 1\.0e-6") as exc:
+    with pytest.raises(ConfigError, match=r"'privacy.delta' is the string '1e-6'.*Write it as 1\.0e-6") as exc:
         validate_config(cfg)
     assert "training.learning_rates.0' is the string '1e-3'" in str(exc.value)
+    # every suggested spelling is one PyYAML reads as the same float
+    from userdp.config import _with_dot
+
+    for text in ("1e-6", "1e3", "1.0e3", "2E+5", "5e0", "-3e2"):
+        fixed = yaml.safe_load(f"x: {_with_dot(text)}")["x"]
+        assert isinstance(fixed, float) and fixed == float(text), text
     cfg["privacy"]["delta"] = yaml.safe_load("1.0e-6")
     cfg["training"]["learning_rates"] = [1.0e-3]
     validate_config(cfg)

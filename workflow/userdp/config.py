@@ -67,11 +67,16 @@ def _looks_numeric(text: str) -> bool:
 
 
 def _with_dot(text: str) -> str:
-    """'1e-6' -> '1.0e-6' (the spelling YAML reads as a float)."""
-    mant, _, exp = text.lower().partition("e")
-    if exp and "." not in mant:
-        return f"{mant}.0e{exp}"
-    return text
+    """'1e-6' -> '1.0e-6', '1e3' / '1.0e3' -> '1.0e+3' (the spelling PyYAML reads as a float: a dot in the
+    mantissa and a sign in the exponent)."""
+    mant, _, exp = text.strip().lower().partition("e")
+    if not exp:
+        return text
+    if "." not in mant:
+        mant += ".0"
+    if exp[0] not in "+-":
+        exp = "+" + exp
+    return f"{mant}e{exp}"
 
 
 def _describe(err: jsonschema.ValidationError) -> str:
@@ -99,10 +104,13 @@ def _describe(err: jsonschema.ValidationError) -> str:
         return (f"config key '{key}' is the string {err.instance!r}, not a number, and no number there may be "
                 f"infinite or NaN. {NONPRIVATE_HINT}")
     if err.validator == "type" and isinstance(err.instance, str) and _looks_numeric(err.instance):
-        # PyYAML (YAML 1.1) reads 1e-6 or 1e3 without a dot as a string
+        if "e" not in err.instance.lower():
+            return (f"config key '{key}' is the string {err.instance!r}, not a number: it is in quotes. Write it "
+                    f"without them: {err.instance.strip()}.")
+        # PyYAML (YAML 1.1) reads 1e-6, 1e3 and even 1.0e3 as strings: a float needs a dot and a signed exponent
         return (
             f"config key '{key}' is the string {err.instance!r}, not a number: YAML reads exponent notation "
-            f"without a decimal point as text. Write it with a dot, e.g. {_with_dot(err.instance)}."
+            f"without a decimal point and a signed exponent as text. Write it as {_with_dot(err.instance)}."
         )
     desc = sch.get("description")
     hint = f" ({desc})" if desc else ""
@@ -202,6 +210,16 @@ def _check_semantics(config: dict, source: str) -> None:
             f"{source}: tokenizer.public_dataset is {public!r}, which is not a dataset in 'datasets' "
             f"(defined: {sorted(config['datasets'])})."
         )
+    if public is not None:
+        from .data.sources import has_public_part
+
+        spec = config["datasets"][public]
+        if not has_public_part(spec):
+            raise ConfigError(
+                f"{source}: tokenizer.public_dataset is {public!r}, but that dataset (source "
+                f"{spec.get('source')!r}) has no public part to train the tokenizer and pretrain on; name a dataset "
+                "with public text (a synthetic or fortunes dataset) or set tokenizer.name (and model.name)."
+            )
     _check_model(config, source)
     _check_budgets(grid["budgets"], "grid.budgets", "its artifact paths (budget~K)", source)
     _check_budgets(config["mean_estimation"]["budgets"], "mean_estimation.budgets",
@@ -495,13 +513,30 @@ def _warn_ignored_settings(config: dict, source: str) -> None:
         )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (safe_load silently keeps the last, so a
+    second `grid:` section would drop the first one's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"the key {key!r} appears twice (first at line {seen[key] + 1}); YAML keeps only the last, "
+                    "so merge the two into one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def read_config_file(path: str | Path) -> dict:
     """The mapping in a YAML (or JSON) config file; a ConfigError naming the file, and for a syntax error the
     line and column, otherwise."""
     path = Path(path)
     try:
         with open(path, encoding="utf-8") as fh:
-            config = yaml.safe_load(fh)
+            config = yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except UnicodeDecodeError as exc:
@@ -509,8 +544,9 @@ def read_config_file(path: str | Path) -> dict:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {exc}. Check the indentation (spaces, "
-                          "no tabs), brackets and quotes there.") from None
+        fix = "" if "appears twice" in str(exc) else (" Check the indentation (spaces, no tabs), brackets and "
+                                                      "quotes there.")
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {exc}.{fix}") from None
     if config is None:
         return {}
     if not isinstance(config, dict):

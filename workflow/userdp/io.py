@@ -185,6 +185,11 @@ def parquet_errors(path: str | os.PathLike) -> Iterator[None]:
                         "runs first).") from None
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        missing = re.findall(r"No match for FieldRef\.Name\(([^)]*)\)", str(exc))
+        if missing:
+            raise DataError(f"{path} has no column {', '.join(missing)}: it was written by another version of userdp "
+                            "or another tool. It is a pipeline artifact: delete it and rerun snakemake, which "
+                            "rebuilds it with the rule that writes it.") from None
         raise DataError(f"{path} is not a readable Parquet file ({reason}): it was truncated or overwritten. It is "
                         "a pipeline artifact: delete it and rerun snakemake, which rebuilds it with the rule that "
                         "writes it (and whatever depends on it).") from None

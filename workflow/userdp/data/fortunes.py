@@ -134,7 +134,9 @@ def parse_fortune_file(path: Path) -> Iterator[Quote]:
         content = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise DataError(f"{path}: line {line} (byte offset {exc.start}) is not UTF-8.") from exc
+        raise DataError(f"{path}: line {line} (byte offset {exc.start}) is not UTF-8; convert the file to UTF-8 "
+                        f"(e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8) and point "
+                        "the dataset's path at the converted copy.") from exc
     current: list[str] = []
     for line in content.split("\n"):
         if line == "%":

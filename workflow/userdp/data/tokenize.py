@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ConfigError, DataError
-from ..io import ParquetBatchWriter, make_temp_dir, streaming_parquet, write_json
+from ..io import ParquetBatchWriter, make_temp_dir, read_json, streaming_parquet, write_json
 from ..logutil import Progress
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -194,11 +194,20 @@ def load_tokenizer(tok_dir: str | Path):
     from transformers import PreTrainedTokenizerFast
 
     tok_dir = Path(tok_dir)
-    info = json.loads((tok_dir / INFO_FILE).read_text()) if (tok_dir / INFO_FILE).exists() else {}
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(tok_dir / "tokenizer.json"),
-        bos_token=info.get("bos_token", BOS), eos_token=info.get("eos_token", EOS), pad_token=info.get("pad_token", PAD),
-    )
+    info = read_json(tok_dir / INFO_FILE) if (tok_dir / INFO_FILE).exists() else {}
+    path = tok_dir / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"{path} does not exist; rerun snakemake to build it (rule train_tokenizer).")
+    try:
+        return PreTrainedTokenizerFast(
+            tokenizer_file=str(path),
+            bos_token=info.get("bos_token", BOS), eos_token=info.get("eos_token", EOS),
+            pad_token=info.get("pad_token", PAD),
+        )
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        raise DataError(f"{path} is not a readable tokenizer ({str(exc).strip()[:200] or type(exc).__name__}): it "
+                        "was truncated or overwritten. It is a pipeline artifact: delete results/tokenizer and rerun "
+                        "snakemake, which rebuilds it and whatever depends on it.") from None
 
 
 # ---------------------------------------------------------------- framing

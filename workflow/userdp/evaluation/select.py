@@ -200,7 +200,8 @@ def select_cell(
     log.info("chose learning rate %s (validation losses %s)", fmt_num(metrics["learning_rate"]),
              {fmt_num(k): v.get("validation_loss") for k, v in evals.items()})
     ledgers = [read_json(p) for p in ledger_paths]
-    write_json(out_ledger, with_selection_epsilon(ledgers[i], ledgers, ledger_paths))
+    ledger = with_selection_epsilon(ledgers[i], ledgers, ledger_paths)  # every input read before any output
     copy_train_log(train_log_paths[i], out_train_log, debug_step_log)
+    write_json(out_ledger, ledger)
     write_json(out_metrics, metrics)
     return metrics

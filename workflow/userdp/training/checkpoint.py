@@ -108,7 +108,8 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, expected_fingerprint: str) -> d
             f"{Path(ckpt_dir)} to restart this run from step 0."
         ) from None
     except (RuntimeError, OSError, EOFError) as exc:
-        raise DataError(f"checkpoint {path} cannot be read ({exc}); delete the folder {Path(ckpt_dir)} to restart "
+        raise DataError(f"checkpoint {path} cannot be read ({str(exc).strip() or type(exc).__name__}): it is "
+                        f"damaged, e.g. empty or cut off; delete the folder {Path(ckpt_dir)} to restart "
                         "this run from step 0.") from None
     if not isinstance(state, dict):
         raise DataError(f"checkpoint {path} holds a {type(state).__name__}, not a training state; delete the "

@@ -150,15 +150,41 @@ def load_model(name_or_path: str | os.PathLike, device: torch.device | str = "cp
     try:
         model = AutoModelForCausalLM.from_pretrained(str(Path(text).expanduser()) if text.startswith("~") else text,
                                                      dtype=torch.float32)
-    except OSError as exc:
-        raise DataError(f"cannot load a causal LM from {name_or_path}: {exc}") from exc
+    except _LOAD_ERRORS as exc:
+        raise DataError(_load_error(name_or_path, exc)) from exc
     return model.to(device)
+
+
+def _safetensors_error() -> type[Exception]:
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors comes with transformers
+        return OSError
+    return SafetensorError
+
+
+# What a broken model folder raises while loading: missing or unreadable files (OSError), a config or model type
+# transformers does not know or a shape mismatch (ValueError, KeyError; JSON errors are ValueErrors), truncated
+# weights (SafetensorError). Anything else is a bug and keeps its traceback.
+_LOAD_ERRORS = (OSError, ValueError, KeyError, _safetensors_error())
+
+
+def _load_error(name: str | os.PathLike, exc: BaseException) -> str:
+    reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    return (f"cannot load a causal LM from {name}: {reason} ({type(exc).__name__}). If it is a folder, its "
+            "config.json or weights are damaged or from a newer transformers: copy it again or save it again with "
+            "save_pretrained; a hub id must exist on the hub.")
 
 
 def _load_adapter(folder: str, device: torch.device | str, merge: bool) -> torch.nn.Module:
     from peft import PeftConfig, PeftModel
 
-    base_name = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    try:
+        base_name = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    except _LOAD_ERRORS as exc:
+        raise DataError(f"the LoRA adapter in {folder} cannot be read: its adapter_config.json is damaged "
+                        f"({str(exc).strip()[:200] or type(exc).__name__}); copy the folder again or retrain the "
+                        "run.") from exc
     if not base_name:
         raise DataError(f"the LoRA adapter in {folder} names no base model (adapter_config.json "
                         "base_model_name_or_path); retrain the run.")
@@ -167,7 +193,12 @@ def _load_adapter(folder: str, device: torch.device | str, merge: bool) -> torch
     except DataError as exc:
         raise DataError(f"the LoRA adapter in {folder} is for the base model {base_name}, which cannot be "
                         f"loaded: {exc}") from exc
-    model = PeftModel.from_pretrained(base, folder)
+    try:
+        model = PeftModel.from_pretrained(base, folder)
+    except _LOAD_ERRORS as exc:
+        raise DataError(f"the LoRA adapter in {folder} cannot be loaded on {base_name}: "
+                        f"{str(exc).strip()[:300] or type(exc).__name__}; copy the folder again or retrain the "
+                        "run.") from exc
     model = model.merge_and_unload() if merge else model
     return model.to(device)
 
