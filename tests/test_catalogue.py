@@ -77,3 +77,19 @@ def test_docs_list_exactly_the_table():
         f"docs/catalogue.md is out of date (missing {sorted(set(table) - set(listed))}, stale "
         f"{sorted(set(listed) - set(table))}); run: python tests/bad_input_catalogue.py > docs/catalogue.md")
     assert len(listed) == len(set(listed))
+
+
+def test_every_fault_names_a_test_that_exists():
+    """The fault rows of the catalogue are run by their own tests; a renamed or removed test fails here."""
+    import ast
+
+    from bad_input_catalogue import FAULTS
+
+    assert len({f.id for f in FAULTS}) == len(FAULTS) >= 10
+    for fault in FAULTS:
+        file, _, name = fault.test.partition("::")
+        tree = ast.parse((REPO / file).read_text())
+        names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name in names, f"{fault.id}: {fault.test} does not exist"
+    listed = re.findall(r"^\| `([a-z0-9-]+)` \| .* \| `tests/", DOC.read_text(), re.M)
+    assert listed == [f.id for f in FAULTS], "docs/catalogue.md is out of date; regenerate it"
