@@ -524,3 +524,25 @@ def test_snakemake_names_file_and_line_of_a_broken_default_config(tmp_path):
                           str(tmp_path), "-n"], capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode != 0 and "config file config/config.yaml is not valid YAML at line 3, column 1" in out
+
+
+def test_yaml_merge_keys_and_distinct_keys_are_not_duplicates(tmp_path):
+    from userdp.config import read_config_file
+
+    f = tmp_path / "c.yaml"
+    f.write_text("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  y: 3\nflags: {1: a, true: b}\n")
+    assert read_config_file(f) == {"base": {"x": 1, "y": 2}, "other": {"x": 1, "y": 3}, "flags": {1: "a", True: "b"}}
+    f.write_text("grid: {epsilons: [1]}\ntraining: {optimizer: sgd}\ngrid: {seeds: [0, 1]}\n")
+    with pytest.raises(ConfigError, match=r"(?s)line 3, column 1: .*the key 'grid' appears twice \(first at line 1\)"):
+        read_config_file(f)
+
+
+def test_config_files_merge_as_snakemake_merges_them():
+    """snakemake merges all --configfile files into one override, then that over the default (check-config does
+    the same): a null in the first file and a partial mapping in the second keep the default's other keys."""
+    from userdp.config import merge_configs
+
+    default = {"model": {"lora": {"r": 8, "alpha": 16, "dropout": 0.0}, "n_layer": 2}}
+    override = merge_configs(merge_configs({}, {"model": {"lora": None}}), {"model": {"lora": {"r": 4}}})
+    assert merge_configs(default, override)["model"] == {"lora": {"r": 4, "alpha": 16, "dropout": 0.0}, "n_layer": 2}
+    assert merge_configs({"a": 1}, {"a": {"b": 2}}) == {"a": {"b": 2}}  # a mapping over a scalar replaces it

@@ -38,3 +38,21 @@ def test_temp_names_carry_host_and_pid(tmp_path):
     assert prefix == f".x.json.{io._HOST}-{os.getpid()}." and "." not in io._HOST
     d = io.make_temp_dir(tmp_path / "model")
     assert d.name.startswith(f".model.{io._HOST}-{os.getpid()}.") and d.is_dir()
+
+
+def _square(x):
+    return x * x
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_process_pools_work_under_every_start_method(method):
+    """The parent watch must not end workers whose parent is a fork server (Python 3.14's Linux default)."""
+    import multiprocessing
+
+    from userdp.workers import process_pool
+
+    with process_pool(2, mp_context=multiprocessing.get_context(method)) as pool:
+        assert list(pool.map(_square, range(6))) == [0, 1, 4, 9, 16, 25]

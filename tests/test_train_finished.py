@@ -33,9 +33,9 @@ def settings(**kw):
     return TrainSettings(**(base | kw))
 
 
-def run(tmp_path, pool, steps=3, lr=1e-2, counter=None):
-    plan = plan_for(pool, "els", expected=4.0, steps=steps, sigma=1.0, clip=1.0)
-    return engine.train(tiny_model(), pool, plan, settings(learning_rate=lr), engine.RunPaths(tmp_path),
+def run(tmp_path, pool, steps=3, lr=1e-2, counter=None, plan_extra=None, **setting):
+    plan = plan_for(pool, "els", expected=4.0, steps=steps, sigma=1.0, clip=1.0) | (plan_extra or {})
+    return engine.train(tiny_model(), pool, plan, settings(learning_rate=lr, **setting), engine.RunPaths(tmp_path),
                         engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0, gradient_source=ConstantGradients,
                         compute_epsilon=fake_epsilon,
                         on_step=None if counter is None else (lambda step, row: counter.append(step)))
@@ -79,7 +79,8 @@ def test_rerun_after_outputs_deleted_restores_without_training(tmp_path, pool, c
     assert steps == [] and outputs(paths) == before
 
 
-@pytest.mark.parametrize("change", ["learning_rate", "steps", "code", "edited_file", "manifest"])
+@pytest.mark.parametrize("change", ["learning_rate", "steps", "debug_step_log", "plan_field", "code", "edited_file",
+                                    "manifest"])
 def test_any_change_makes_the_run_train(tmp_path, pool, monkeypatch, change, caplog):
     run(tmp_path, pool)
     paths = engine.RunPaths(tmp_path)
@@ -89,6 +90,10 @@ def test_any_change_makes_the_run_train(tmp_path, pool, monkeypatch, change, cap
         kw["lr"] = 2e-2
     elif change == "steps":
         kw["steps"] = 4
+    elif change == "debug_step_log":  # decides which noise-free columns are released: never restore across it
+        kw["debug_step_log"] = True
+    elif change == "plan_field":  # a plan field the resume fingerprint leaves out but the ledger copies
+        kw["plan_extra"] = {"epsilon_target_of": "something else"}
     elif change == "code":
         monkeypatch.setattr(finished, "package_digest", lambda packages: "other code")
     elif change == "edited_file":
@@ -144,3 +149,15 @@ def test_the_finished_attempts_log_survives_its_deletion(tmp_path, pool):
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
+
+
+def test_a_failed_record_does_not_fail_the_finished_run(tmp_path, pool, monkeypatch, caplog):
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(finished, "record", broken)
+    with caplog.at_level("WARNING"):
+        out = run(tmp_path, pool)
+    paths = engine.RunPaths(tmp_path)
+    assert out.complete and paths.ledger.is_file() and not paths.checkpoint_dir.exists()  # the secret is gone
+    assert "could not record the finished outputs" in caplog.text

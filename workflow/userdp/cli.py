@@ -143,9 +143,11 @@ def _check_config(args: argparse.Namespace) -> int:
 
     default = args.default or str(Path(__file__).resolve().parents[2] / layout.DEFAULT_CONFIG)
     try:
-        merged: dict = {} if default == "none" else read_config_file(default)
+        # as snakemake: the files are merged into one override first, which then goes over the default
+        override: dict = {}
         for f in args.files:
-            merged = merge_configs(merged, read_config_file(f))
+            override = merge_configs(override, read_config_file(f))
+        merged = merge_configs({} if default == "none" else read_config_file(default), override)
         validate_config(merged, source=" + ".join(args.files if default == "none" else [default, *args.files]))
     except UserError as exc:
         print(f"userdp check-config: error: {exc}", file=sys.stderr)

@@ -210,7 +210,8 @@ def _check_semantics(config: dict, source: str) -> None:
             f"{source}: tokenizer.public_dataset is {public!r}, which is not a dataset in 'datasets' "
             f"(defined: {sorted(config['datasets'])})."
         )
-    if public is not None:
+    # Its public text trains the tokenizer (tokenizer.name null) and pretrains the model (model.name null).
+    if public is not None and (config["tokenizer"]["name"] is None or config["model"]["name"] is None):
         from .data.sources import has_public_part
 
         spec = config["datasets"][public]
@@ -520,11 +521,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges another mapping: not a key
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            key = (type(key).__name__, key) if isinstance(key, (str, int, float, bool)) else None
+            if key is not None and key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark,
-                    f"the key {key!r} appears twice (first at line {seen[key] + 1}); YAML keeps only the last, "
+                    f"the key {key[1]!r} appears twice (first at line {seen[key] + 1}); YAML keeps only the last, "
                     "so merge the two into one", key_node.start_mark)
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
@@ -558,8 +562,8 @@ def merge_configs(base: dict, override: dict) -> dict:
     """`override` on `base`, section by section, as snakemake merges --configfile files over the default."""
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_configs(out[key], value)
+        if isinstance(value, dict):  # snakemake's update_config: a mapping merges into what is there (or {})
+            out[key] = merge_configs(out[key] if isinstance(out.get(key), dict) else {}, value)
         else:
             out[key] = copy.deepcopy(value)
     return out

@@ -32,8 +32,17 @@ from .errors import DataError
 
 log = logging.getLogger(__name__)
 
-#: This host's name as it appears in temporary names (no dots: the name's fields are dot-separated).
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+def _host_token() -> str:
+    """This host's name, and its PID namespace where there is one (containers sharing a hostname and a folder
+    each see the other's pids as dead), as it appears in temporary names: no dots, the fields' separator."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+    try:
+        return f"{host}_{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return host
+
+
+_HOST = _host_token()
 
 
 def temp_prefix(path: str | os.PathLike) -> str:

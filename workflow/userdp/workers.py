@@ -4,7 +4,7 @@ A ProcessPoolExecutor's workers wait on a queue whose write end they hold
 themselves, so a kill -9 of the parent (no cleanup runs) leaves them blocked
 forever, each holding its memory (they are re-parented to PID 1). Every
 worker of `process_pool` runs a daemon thread that exits the worker within
-`PARENT_POLL_S` of its parent's death (its parent PID changes).
+`PARENT_POLL_S` of the pool's creator's death (fork, spawn and forkserver).
 """
 
 from __future__ import annotations
@@ -19,10 +19,24 @@ from typing import Any, Callable
 PARENT_POLL_S = 0.5
 
 
-def exit_with_parent(parent_pid: int, every_s: float = PARENT_POLL_S) -> None:
-    """In a worker: start a daemon thread that ends this process once `parent_pid` is no longer its parent."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def exit_with_parent(creator_pid: int, every_s: float = PARENT_POLL_S) -> None:
+    """In a worker: start a daemon thread that ends this process once the process that made the pool
+    (`creator_pid`) is gone or this worker's own parent changed (under forkserver the parent is the fork
+    server, which exits with the creator)."""
+    parent = os.getppid()
+
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent and _alive(creator_pid):
             time.sleep(every_s)
         os._exit(1)
 

@@ -205,9 +205,10 @@ def load_tokenizer(tok_dir: str | Path):
             pad_token=info.get("pad_token", PAD),
         )
     except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
-        raise DataError(f"{path} is not a readable tokenizer ({str(exc).strip()[:200] or type(exc).__name__}): it "
-                        "was truncated or overwritten. It is a pipeline artifact: delete results/tokenizer and rerun "
-                        "snakemake, which rebuilds it and whatever depends on it.") from None
+        reason = str(exc).strip()[:200] or type(exc).__name__
+        raise DataError(f"{path} is not a readable tokenizer ({reason}): it was truncated or overwritten. It is a "
+                        f"pipeline artifact: delete {tok_dir} and rerun snakemake, which rebuilds it and whatever "
+                        "depends on it.") from None
 
 
 # ---------------------------------------------------------------- framing

@@ -591,7 +591,13 @@ def train(
     fp = run_fingerprint(plan, settings, device, seeds, pool, model, n_units)
     # A finished attempt whose outputs snakemake never recorded (it was killed): link them back, do not retrain.
     main = dist is None or dist.is_main
-    if distributed.broadcast_object(finished.restore(paths.run_dir, fp, paths.log) if main else None, dist, device):
+    # Its key covers everything the outputs depend on, beyond what a resume needs: the whole plan (the ledger's
+    # accounting fields), every setting (debug_step_log decides which columns are released) and the adapter's
+    # settings (LoRA alpha and dropout add no tensors to the model digest).
+    done_key = ckpt.fingerprint({"resume": fp, "plan": plan, "settings": asdict(settings),
+                                 "adapter": _adapter_record(model)})
+    if distributed.broadcast_object(finished.restore(paths.run_dir, done_key, paths.log) if main else None,
+                                    dist, device):
         if main:
             ckpt.remove_checkpoint(paths.checkpoint_dir)
         ledger = read_json(paths.ledger)
@@ -646,7 +652,8 @@ def train(
             raise SystemExit(128 + signal.SIGTERM)
         log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", run.step, mech.steps)
         return TrainOutcome(False, run.step, None, run.frame())
-    return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon, dp_step.expected, fp)
+    return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon, dp_step.expected,
+                   done_key)
 
 
 def _adapter_record(model: torch.nn.Module) -> dict[str, Any] | None:
@@ -682,8 +689,8 @@ def _check_moved(params: list[torch.Tensor], before: torch.Tensor, step: int) ->
 
 def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings, paths: RunPaths,
             seeds: dict[str, Any], device: torch.device, dist: distributed.DistContext | None,
-            compute_epsilon: Callable[..., float] | None, divisor: float, fp: str) -> TrainOutcome:
-    """After the last step: rank 0 writes model, log and ledger, records them (`finished`; fingerprint `fp`),
+            compute_epsilon: Callable[..., float] | None, divisor: float, done_key: str) -> TrainOutcome:
+    """After the last step: rank 0 writes model, log and ledger, records them (`finished`, under `done_key`),
     then deletes the checkpoint.
 
     `divisor` is the expected batch the noisy sums were divided by. With DP contribution statistics the
@@ -726,7 +733,11 @@ def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: T
     # Outputs are complete: record them, so a rerun snakemake asks for (it was killed before recording them)
     # restores instead of retraining; the checkpoint is no longer needed (as large as model + optimizer state,
     # and it holds the secret noise state).
-    finished.record(paths.run_dir, [paths.model_dir, paths.train_log, paths.ledger], fp, paths.log)
+    try:
+        finished.record(paths.run_dir, [paths.model_dir, paths.train_log, paths.ledger], done_key, paths.log)
+    except OSError as exc:  # the outputs are complete; without the record a rerun would only train again
+        log.warning("could not record the finished outputs in %s (%s); the run is complete, but if snakemake "
+                    "reruns it (e.g. after being killed) it trains again", paths.run_dir / "finished", exc)
     ckpt.remove_checkpoint(paths.checkpoint_dir)
     distributed.broadcast_object(ledger, dist, device)
     log.info("run complete: %d steps, epsilon %.4g, realised compute %s", run.step, ledger["epsilon"],

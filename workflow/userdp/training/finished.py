@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..code_version import package_digest
-from ..io import make_temp_dir
+from ..io import make_temp_dir, remove_stale_temps, temp_prefix
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,13 @@ MANIFEST = "manifest.json"
 #: A hard link to the finishing attempt's log file: it keeps the lines written after the record too, and
 #: survives snakemake deleting the log of a job it reruns; a restore appends it to the new attempt's log.
 ATTEMPT_LOG = "attempt.log"
-#: Library versions that change a run's result with unchanged userdp code.
-PACKAGES = ("torch", "transformers", "peft")
+#: Library versions that change a run's outputs with unchanged userdp code (the model; the ledger's epsilon).
+PACKAGES = ("torch", "transformers", "peft", "dp-accounting", "numpy", "scipy")
 
 
 def run_key(fingerprint: str) -> str:
-    """The key a record must match: the run's fingerprint, the userdp code and the libraries' versions."""
+    """The key a record must match: the run's fingerprint (from engine.train: the resume fingerprint, the whole
+    plan, every setting, the adapter's settings), the userdp code and the libraries' versions."""
     return hashlib.sha256(f"{fingerprint}|{package_digest(PACKAGES)}".encode()).hexdigest()
 
 
@@ -74,12 +75,11 @@ def _files(run_dir: Path, outputs: Iterable[Path]) -> list[str]:
 def _link(src: Path, dst: Path) -> None:
     """dst becomes a hard link to src (a copy where links are not possible), replacing dst atomically."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.{os.getpid()}.link"
+    remove_stale_temps(dst)
+    tmp = dst.parent / f"{temp_prefix(dst)}link.tmp"
+    tmp.unlink(missing_ok=True)
     try:
         try:
-            os.link(src, tmp)
-        except FileExistsError:
-            tmp.unlink()
             os.link(src, tmp)
         except OSError:
             shutil.copy2(src, tmp)
@@ -163,12 +163,16 @@ def restore(run_dir: str | os.PathLike, fingerprint: str, log_file: str | os.Pat
         if not path.is_file() or path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
             _discard(folder, f"{rel} is missing or was changed since the run finished")
             return False
-    for rel in outputs:  # whole outputs: a model folder gets exactly the recorded files
-        path = run_dir / rel
-        if path.is_dir():
-            shutil.rmtree(path)
-    for rel in files:
-        _link(folder / rel, run_dir / rel)
+    try:
+        for rel in outputs:  # whole outputs: a model folder gets exactly the recorded files
+            path = run_dir / rel
+            if path.is_dir():
+                shutil.rmtree(path)
+        for rel in files:
+            _link(folder / rel, run_dir / rel)
+    except OSError as exc:  # the run trains and replaces whatever was linked back
+        _discard(folder, f"linking its files back failed ({exc})")
+        return False
     earlier = folder / ATTEMPT_LOG
     if log_file is not None and earlier.is_file() and not _same_file(earlier, log_file):
         with open(log_file, "a", encoding="utf-8") as out:
