@@ -1049,6 +1049,14 @@ CASES: list[Case] = [
     Case("cli-memory-bound", "cli", "`--stats-epsilon 10000` (a PLD too large to build)",
          cli("epsilon --method uls --noise-multiplier 1 --delta 1e-6 --sampling-rate 0.01 --steps 10 --stats-epsilon 10000"),
          2, "MAX_PLD_POINTS"),
+    Case("cli-calibrate-huge-pld", "cli", "calibration at epsilon 1e-6, delta 1e-10, q = 1, 100,000 steps, G = 64 (it "
+         "once grew to 23.5 GB and was killed by the kernel)",
+         cli("calibrate --method els --epsilon 1e-6 --delta 1e-10 --sampling-rate 1 --steps 100000 --group-size 64"),
+         2, "above the accountant's memory bound of 8,388,608 points"),
+    Case("cli-calibrate-tiny-epsilon", "cli", "calibration at epsilon 1e-6, q = 1, 1,000 steps, G = 64 (it once ended "
+         "in MemoryError: std::bad_alloc under a 3 GB limit)",
+         cli("calibrate --method els --epsilon 1e-6 --delta 1e-6 --sampling-rate 1 --steps 1000 --group-size 64"),
+         2, "no noise multiplier up to privacy.max_noise_multiplier = 500 reaches epsilon = 1e-06"),
     Case("cli-stats-spend-the-budget", "cli", "`--stats-epsilon` larger than the target `--epsilon`",
          cli("calibrate --method uls --epsilon 0.2 --stats-epsilon 0.3 --delta 1e-6 --sampling-rate 0.02 --steps 50"),
          2, "no noise level leaves room for training"),
