@@ -129,6 +129,8 @@ def _text_values(text: str, out: Values) -> None:
             v = float(s)
         except ValueError:
             continue
+        if not math.isfinite(v):  # e.g. "3e512" at the start of a hex digest: no count
+            continue
         mantissa = re.sub(r"[eE].*$", "", s).lstrip("-")
         is_int = re.fullmatch(r"\d+", mantissa) is not None
         digits = len(mantissa.replace(".", "").lstrip("0")) or 1

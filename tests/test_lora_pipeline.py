@@ -91,6 +91,7 @@ def test_example_llama_lora_config_dry_runs(tmp_path):
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     (folder / "tokenizer.json").write_text("{}")
+    (folder / "model-00001-of-00004.safetensors").write_bytes(b"")  # start-up checks the weights are there
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "results/runs/stackoverflow/method~uls/eps~1/budget~1024000/seed~0/metrics.json",
          "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "-n",

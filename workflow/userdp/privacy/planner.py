@@ -134,8 +134,20 @@ def _calibrate(mech: Mechanism, epsilon: float, delta: float, privacy: dict, ext
             f"composed into this cell's epsilon; a smaller {contribution_stats.KEY}.epsilon leaves more for training."
         ) from exc
     record = {"tolerance": tolerance, "discretization": cal.discretization, "noise_lower": cal.noise_lower,
-              "evaluations": cal.evaluations, "seconds": round(cal.seconds, 3)}
+              "evaluations": cal.evaluations, CALIBRATION_TIMING: round(cal.seconds, 3)}
     return cal.noise_multiplier, cal.epsilon_achieved, record
+
+
+#: The plan's one machine-dependent field: the calibration's wall time (plan["calibration"][CALIBRATION_TIMING]).
+CALIBRATION_TIMING = "seconds"
+
+
+def without_timing(plan: dict) -> dict:
+    """The plan without its wall time: what a run's outputs depend on (the finished-run key)."""
+    out = dict(plan)
+    if isinstance(out.get("calibration"), dict):
+        out["calibration"] = {k: v for k, v in out["calibration"].items() if k != CALIBRATION_TIMING}
+    return out
 
 
 def plan_cell(

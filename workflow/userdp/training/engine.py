@@ -55,7 +55,7 @@ from ..errors import DataError, PrivacyError
 from ..io import read_frame, read_json, write_json, write_parquet
 from ..layout import LEDGER, RUN_MODEL, TRAIN_LOG, fmt_num
 from ..privacy import mechanism as privacy_mechanism
-from ..privacy.planner import sizes_from_release
+from ..privacy.planner import sizes_from_release, without_timing
 from ..seeding import derive_seed
 from . import checkpoint as ckpt
 from . import distributed, finished, step_log
@@ -591,10 +591,10 @@ def train(
     fp = run_fingerprint(plan, settings, device, seeds, pool, model, n_units)
     # A finished attempt whose outputs snakemake never recorded (it was killed): link them back, do not retrain.
     main = dist is None or dist.is_main
-    # Its key covers everything the outputs depend on, beyond what a resume needs: the whole plan (the ledger's
-    # accounting fields), every setting (debug_step_log decides which columns are released) and the adapter's
-    # settings (LoRA alpha and dropout add no tensors to the model digest).
-    done_key = ckpt.fingerprint({"resume": fp, "plan": plan, "settings": asdict(settings),
+    # Its key covers everything the outputs depend on, beyond what a resume needs (fp: the result-changing
+    # settings): the whole plan (the ledger's accounting fields), debug_step_log (which columns are released) and
+    # the adapter's settings (LoRA alpha and dropout add no tensors to the model digest).
+    done_key = ckpt.fingerprint({"resume": fp, "plan": without_timing(plan), "debug_step_log": settings.debug_step_log,
                                  "adapter": _adapter_record(model)})
     if distributed.broadcast_object(finished.restore(paths.run_dir, done_key, paths.log) if main else None,
                                     dist, device):
