@@ -12,9 +12,10 @@ So a finished run also records `{run_dir}/finished/`: hard links (copies on
 file systems without links) to its released outputs (model folder, per-step
 log, ledger) and `manifest.json` with each file's size and SHA-256 and the
 run's key. The key is the checkpoint fingerprint (mechanism, result-changing
-settings, public seeds, base model and pool content; `engine.run_fingerprint`)
-plus the digest of the userdp code and the torch / transformers / peft
-versions. When the job runs again and the key and every file match, the
+settings, public seeds, base model and pool content; `engine.run_fingerprint`),
+the plan without its wall time, debug_step_log and the adapter's settings
+(engine.train), plus the digest of the userdp code and the versions of
+PACKAGES. When the job runs again and the key and every file match, the
 outputs are linked back into place instead of training (the log says so);
 anything else (a different key, a missing or edited file) removes the record
 and the run trains.
