@@ -314,20 +314,13 @@ if __name__ == "__main__":
 """
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_kill_9_of_tokenize_ends_its_workers_and_the_rerun_removes_its_temp_file(tmp_path, tok_dir):
     """Workers die with their parent (userdp.workers); the killed job's .tokens.parquet.*.tmp goes at the rerun."""
     import signal
     import subprocess
     import sys
-    import time
+
+    from proc_helpers import group_alive, group_members, wait_for
 
     pq.write_table(examples_table(["the cat sat on the mat ."] * 200), tmp_path / "examples.parquet")
     script = tmp_path / "child.py"
@@ -336,20 +329,14 @@ def test_kill_9_of_tokenize_ends_its_workers_and_the_rerun_removes_its_temp_file
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "examples.parquet"), str(tok_dir),
                              str(out), str(ready)], start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "tokenize did not start"
-            time.sleep(0.05)
-        members = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == proc.pid]
-        assert len(members) >= 3, "expected the job and its 2 workers"
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 120, "tokenize to start")
+        assert proc.poll() is None, "tokenize ended before it was killed"
+        assert len(group_members(proc.pid)) >= 3, "expected the job and its 2 workers"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _group_alive(proc.pid):
-            assert time.monotonic() < deadline, "tokenize workers outlived their killed parent"
-            time.sleep(0.1)
+        wait_for(lambda: not group_alive(proc.pid), 30, "the workers to end with their killed parent (they outlived it)")
     finally:
-        if _group_alive(proc.pid):
+        if group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tokens.parquet.")]
     assert len(leftovers) == 1 and f"-{proc.pid}." in leftovers[0]
@@ -357,23 +344,3 @@ def test_kill_9_of_tokenize_ends_its_workers_and_the_rerun_removes_its_temp_file
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tokens.parquet.")]
     assert pq.read_table(out).num_rows == 200
 
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def test_a_failed_tokenizer_load_leaves_no_stale_companions(tmp_path, tok_dir):
-    """snakemake deletes tokenizer.json before rerunning the rule; a failing load must not leave the old
-    tokenizer's other files behind (a folder that half describes a tokenizer), and a good one replaces them."""
-    out = tmp_path / "tokenizer"
-    shutil.copytree(tok_dir, out)
-    (out / "tokenizer.json").unlink()
-    assert (out / "tokenizer_config.json").exists()
-    with pytest.raises(ConfigError, match="tokenizer.name is"):
-        load_named(str(tmp_path / "no-such-tokenizer"), out)
-    assert sorted(p.name for p in out.iterdir()) == []
-    load_named(str(tok_dir), out)
-    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()

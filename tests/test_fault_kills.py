@@ -11,30 +11,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from proc_helpers import group_alive, wait_for
 from test_train_integration import build_inputs, snakemake
 from userdp.layout import fmt_num, iter_cells
 
 pytestmark = pytest.mark.integration
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_kill_9_of_snakemake_during_finetune_does_not_retrain(tmp_path):
@@ -48,13 +33,13 @@ def test_kill_9_of_snakemake_during_finetune_does_not_retrain(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        _wait(lambda: job_log.exists() or proc.poll() is not None, 300, "the fine-tuning job to start")
+        wait_for(lambda: job_log.exists() or proc.poll() is not None, 300, "the fine-tuning job to start")
         assert proc.poll() is None, "snakemake ended before the fine-tuning job started"
         os.kill(proc.pid, signal.SIGKILL)  # snakemake only; its job keeps running
         proc.wait(timeout=30)
-        _wait(lambda: not _group_alive(proc.pid), 300, "the orphaned fine-tuning job to finish")
+        wait_for(lambda: not group_alive(proc.pid), 300, "the orphaned fine-tuning job to finish")
     finally:
-        if _group_alive(proc.pid):
+        if group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "run complete: 3 steps" in job_log.read_text(), "the job did not finish on its own"
     before = (run / "ledger.json").read_bytes(), (run / "model/model.safetensors").read_bytes()

@@ -12,14 +12,13 @@ import pytest
 import torch
 from scipy import stats
 
-from train_fixtures import SEQ, VOCAB, ConstantGradients, LoopGradients, plan_for, tiny_model, tokens_table
+from train_fixtures import VOCAB, ConstantGradients, LoopGradients, plan_for, run_settings, tiny_model, tokens_table
 from userdp.errors import ConfigError, DataError
 from userdp.io import read_json
 from userdp.training import engine, step_log
 from userdp.training.noise import GaussianNoise
 from userdp.training.optim import LRMultiplier
 from userdp.training.pool import build_pool
-from userdp.training.settings import TrainSettings
 
 
 def fake_epsilon(event, delta):
@@ -34,11 +33,7 @@ def pool():
     return train_pool(40, 3)
 
 
-def settings(**kw):
-    base = dict(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, checkpoint_every=2, device="cpu",
-                log_every_s=0.0)
-    base.update(kw)
-    return TrainSettings(**base)
+settings = run_settings
 
 
 def seeds(method="els"):

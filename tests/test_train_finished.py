@@ -13,13 +13,8 @@ import shutil
 
 import pytest
 
-from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model, train_pool
+from train_fixtures import ConstantGradients, constant_epsilon, plan_for, run_settings, tiny_model, train_pool
 from userdp.training import engine, finished
-from userdp.training.settings import TrainSettings
-
-
-def fake_epsilon(event, delta):
-    return 1.0
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +22,11 @@ def pool():
     return train_pool(30, 5)
 
 
-def settings(**kw):
-    base = dict(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, checkpoint_every=2, device="cpu",
-                log_every_s=0.0)
-    return TrainSettings(**(base | kw))
-
-
 def run(tmp_path, pool, steps=3, lr=1e-2, counter=None, plan_extra=None, **setting):
     plan = plan_for(pool, "els", expected=4.0, steps=steps, sigma=1.0, clip=1.0) | (plan_extra or {})
-    return engine.train(tiny_model(), pool, plan, settings(learning_rate=lr, **setting), engine.RunPaths(tmp_path),
+    return engine.train(tiny_model(), pool, plan, run_settings(learning_rate=lr, **setting), engine.RunPaths(tmp_path),
                         engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0, gradient_source=ConstantGradients,
-                        compute_epsilon=fake_epsilon,
+                        compute_epsilon=constant_epsilon,
                         on_step=None if counter is None else (lambda step, row: counter.append(step)))
 
 
@@ -131,9 +120,9 @@ def test_the_finished_attempts_log_survives_its_deletion(tmp_path, pool):
     logging.getLogger().setLevel(logging.INFO)
     try:
         plan = plan_for(pool, "els", expected=4.0, steps=3, sigma=1.0, clip=1.0)
-        args = (pool, plan, settings(), engine.RunPaths(tmp_path / "run", log_file),
+        args = (pool, plan, run_settings(), engine.RunPaths(tmp_path / "run", log_file),
                 engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0)
-        kw = dict(gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
+        kw = dict(gradient_source=ConstantGradients, compute_epsilon=constant_epsilon)
         engine.train(tiny_model(), *args, **kw)
         handler.flush()
         first = log_file.read_text()

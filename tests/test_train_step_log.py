@@ -14,11 +14,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model
+from train_fixtures import ConstantGradients, plan_for, run_settings, tiny_model
 from userdp.evaluation.aggregate import build_summary
 from userdp.evaluation.select import copy_train_log
 from userdp.training import engine, step_log
-from userdp.training.settings import TrainSettings
 
 
 def fake_epsilon(event, delta):
@@ -33,9 +32,7 @@ def pool():
 
 
 def _settings(**kw):
-    base = dict(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, checkpoint_every=3, device="cpu",
-                log_every_s=0.0)  # a progress line at every step
-    return TrainSettings(**(base | kw))
+    return run_settings(**({"checkpoint_every": 3} | kw))  # a progress line at every step
 
 
 def _run(pool, path, method="uls", **kw):

@@ -154,3 +154,17 @@ def train_pool(n_users: int, seed: int, group_size: int = 3):
     t = tokens_table(n_users, seed=seed)
     train = t.filter(pc.equal(t["split"], "train")).select(["user_id", "example_id", "input_ids"])
     return build_pool(train, group_size, seed=0)
+
+
+def run_settings(**kw):
+    """TrainSettings for the engine tests: CPU, a progress line at every step, checkpoints every 2 steps."""
+    from userdp.training.settings import TrainSettings
+
+    base = dict(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, checkpoint_every=2, device="cpu",
+                log_every_s=0.0)
+    return TrainSettings(**(base | kw))
+
+
+def constant_epsilon(event, delta):
+    """A fast stand-in for the accountant where the epsilon's value is not under test."""
+    return 1.0

@@ -83,6 +83,32 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, chmod_files: bool = True) -> Iterator[Path]:
+    """Yield a temporary folder next to `path`; on success it replaces `path` (an old folder there is removed).
+
+    On an exception the temporary folder is removed and `path` is untouched. The folder (and with
+    `chmod_files` every file and subfolder in it) gets the permissions the umask allows: mkdtemp makes 0700,
+    and some writers 0600 files, so group members could not read the artifact otherwise.
+    """
+    path = Path(path)
+    tmp = make_temp_dir(path)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        if chmod_files:
+            for f in tmp.rglob("*"):
+                os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def make_temp_dir(path: str | os.PathLike) -> Path:
     """A new temporary folder next to `path` (for folder artifacts), after removing stale ones."""
     path = Path(path)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..code_version import package_digest
-from ..io import make_temp_dir, remove_stale_temps, temp_prefix
+from ..io import atomic_dir, remove_stale_temps, temp_prefix
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +100,10 @@ def record(run_dir: str | os.PathLike, outputs: Iterable[Path], fingerprint: str
     outputs = [Path(p) for p in outputs]
     folder = run_dir / "finished"
     files = _files(run_dir, outputs)
-    tmp = make_temp_dir(folder)
-    try:
+    with atomic_dir(folder, chmod_files=False) as tmp:  # the files are links to the outputs: their modes stay
         for rel in files:
             _link(run_dir / rel, tmp / rel)
-        manifest = {"key": run_key(fingerprint), "outputs": sorted(str(Path(p).relative_to(run_dir)) for p in outputs),
+        manifest = {"key": run_key(fingerprint), "outputs": sorted(str(p.relative_to(run_dir)) for p in outputs),
                     "files": {rel: {"size": (run_dir / rel).stat().st_size, "sha256": _sha256(run_dir / rel)}
                               for rel in files}}
         if log_file is not None and Path(log_file).is_file():
@@ -113,20 +112,7 @@ def record(run_dir: str | os.PathLike, outputs: Iterable[Path], fingerprint: str
             except OSError:  # no hard links here: the lines up to now
                 shutil.copy2(log_file, tmp / ATTEMPT_LOG)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-        os.chmod(tmp, 0o777 & ~_umask())
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def _same_file(a: Path, b: str | os.PathLike) -> bool:

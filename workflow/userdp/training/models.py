@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError, DataError
-from ..io import make_temp_dir
+from ..io import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -209,23 +208,8 @@ def save_model_atomic(model: torch.nn.Module, out_dir: str | os.PathLike) -> Non
     Snakemake may have created `out_dir` (empty) for the job's outputs; it is
     replaced. A killed job leaves only a hidden temporary folder behind.
     """
-    out_dir = Path(out_dir)
-    tmp = make_temp_dir(out_dir)
-    try:
+    with atomic_dir(out_dir) as tmp:  # the permissions of every other artifact, so group members can read it
         model.save_pretrained(str(tmp))
-        # mkdtemp makes 0700 (and some writers 0600 files): give the model the
-        # permissions of every other artifact, so group members can read it.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        for f in tmp.rglob("*"):
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def resolve_device(name: str) -> torch.device:
