@@ -1332,7 +1332,11 @@ FAULTS: list[Fault] = [
     Fault("kill9-snakemake", "kill -9 of snakemake while a fine-tuning job runs; then --unlock, --rerun-incomplete",
           "the orphaned job finishes; the rerun restores its outputs bit for bit from finished/ instead of "
           "training again, the log keeps the finishing attempt, and a dry run has nothing left to do",
-          "tests/test_fault_kills.py::test_kill_9_of_snakemake_during_finetune_does_not_retrain"),
+          "tests/test_fault_kills.py::test_stopping_snakemake_never_redoes_finished_training"),
+    Fault("sigterm-snakemake", "SIGTERM to snakemake (`kill PID`) while a fine-tuning job runs",
+          "no new job starts; the running job finishes and is recorded; exit 1 with 'At least one job did not "
+          "complete successfully' (the jobs never started, README); the next run does only those",
+          "tests/test_fault_kills.py::test_stopping_snakemake_never_redoes_finished_training"),
     Fault("rerun-after-outputs-deleted", "a finished run's outputs deleted by snakemake before a rerun",
           "restored without a training step; any change of plan, settings, code or a recorded file trains again",
           "tests/test_train_finished.py::test_rerun_after_outputs_deleted_restores_without_training"),
