@@ -344,3 +344,17 @@ def test_kill_9_of_tokenize_ends_its_workers_and_the_rerun_removes_its_temp_file
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tokens.parquet.")]
     assert pq.read_table(out).num_rows == 200
 
+
+
+def test_a_failed_tokenizer_load_leaves_no_stale_companions(tmp_path, tok_dir):
+    """snakemake deletes tokenizer.json before rerunning the rule; a failing load must not leave the old
+    tokenizer's other files behind (a folder that half describes a tokenizer), and a good one replaces them."""
+    out = tmp_path / "tokenizer"
+    shutil.copytree(tok_dir, out)
+    (out / "tokenizer.json").unlink()
+    assert (out / "tokenizer_config.json").exists()
+    with pytest.raises(ConfigError, match="tokenizer.name is"):
+        load_named(str(tmp_path / "no-such-tokenizer"), out)
+    assert sorted(p.name for p in out.iterdir()) == []
+    load_named(str(tok_dir), out)
+    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
