@@ -477,22 +477,6 @@ def test_a_local_model_folder_that_does_not_exist_says_so(tmp_path):
         validate_config(with_(tokenizer={"name": str(tmp_path / "tok.json")}))
 
 
-def test_a_target_after_configfile_is_explained(tmp_path):
-    """snakemake -n --configfile my.yaml results/.../metrics.json: the target is read as a config file."""
-    import subprocess
-    import sys
-
-    # an existing JSON artifact parses as a config (others fail in snakemake's own parser, before the Snakefile)
-    target = tmp_path / "results" / "runs" / "synth" / "metrics.json"
-    target.parent.mkdir(parents=True)
-    target.write_text('{"test_loss": 4.1}')
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--directory",
-                           str(tmp_path), "--configfile", str(REPO / "config" / "config.yaml"), str(target)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "which look like targets" in proc.stdout + proc.stderr and "Put targets first" in proc.stdout + proc.stderr
-
-
 def test_check_config_names_file_and_line_of_a_yaml_syntax_error(tmp_path, capsys):
     """snakemake parses --configfile files itself and says only 'Config file is not valid JSON or YAML'."""
     from userdp.cli import main
