@@ -50,7 +50,8 @@ def temp_prefix(path: str | os.PathLike) -> str:
     return f".{Path(path).name}.{_HOST}-{os.getpid()}."
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (another user's process counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -71,7 +72,7 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
         return removed
     for entry in entries:
         pid = entry.name[len(lead):].split(".", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         with contextlib.suppress(FileNotFoundError):
             if entry.is_dir() and not entry.is_symlink():
@@ -81,6 +82,13 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
         removed.append(entry)
         log.info("removed %s, left by a killed process (pid %s)", entry, pid)
     return removed
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set it back at once)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 @contextlib.contextmanager
@@ -95,8 +103,7 @@ def atomic_dir(path: str | os.PathLike, chmod_files: bool = True) -> Iterator[Pa
     tmp = make_temp_dir(path)
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
+        umask = _umask()
         os.chmod(tmp, 0o777 & ~umask)
         if chmod_files:
             for f in tmp.rglob("*"):
@@ -138,9 +145,7 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | 
         yield tmp_path
         # mkstemp creates 0600; give the artifact `mode` or the permissions the umask allows.
         if mode is None:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask
+            mode = 0o666 & ~_umask()
         if tmp_path.is_file():
             os.chmod(tmp_path, mode)
         os.replace(tmp_path, path)

@@ -15,18 +15,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable
 
+from .io import pid_alive
+
 #: How often a worker checks that its parent is alive (seconds).
 PARENT_POLL_S = 0.5
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def exit_with_parent(creator_pid: int, every_s: float = PARENT_POLL_S) -> None:
@@ -36,7 +28,7 @@ def exit_with_parent(creator_pid: int, every_s: float = PARENT_POLL_S) -> None:
     parent = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == parent and _alive(creator_pid):
+        while os.getppid() == parent and pid_alive(creator_pid):
             time.sleep(every_s)
         os._exit(1)
 
