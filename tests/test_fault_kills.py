@@ -40,8 +40,7 @@ def test_stopping_snakemake_never_redoes_finished_training(tmp_path):
     runs, logs = {}, {}
     for cell in iter_cells(cfg):
         runs[cell.method] = tmp_path / cell.run_dir / f"lr~{fmt_num(0.001)}"
-        logs[cell.method] = (tmp_path / f"results/logs/finetune/tiny/method~{cell.method}/eps~8/budget~24/seed~0"
-                             / f"lr~{fmt_num(0.001)}.log")
+        logs[cell.method] = tmp_path / f"results/logs/finetune/tiny/method~{cell.method}/eps~8/budget~24/seed~0.log"
     targets = {m: str((r / "ledger.json").relative_to(tmp_path)) for m, r in runs.items()}
 
     # SIGTERM during the first fine-tuning job

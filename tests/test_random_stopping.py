@@ -270,7 +270,8 @@ def test_dry_run_schedules_one_job_per_private_cell_and_no_learning_rate_runs(tm
     assert res.returncode == 0, res.stdout + res.stderr
     counts = {line.split()[0]: int(line.split()[1]) for line in res.stdout.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
-    # the default grid at one budget: 2 methods x 2 finite epsilons private cells, 2 eps~inf references with 2 rates each
+    # the default grid at one budget: 2 methods x 2 finite epsilons private cells, 2 eps~inf references with 2 rates
+    # each (one finetune job per reference cell trains both)
     assert counts["random_stopping"] == 4, res.stdout
-    assert counts["select_lr"] == 2 and counts["finetune"] == 4, res.stdout
+    assert counts["select_lr"] == 2 and counts["finetune"] == 2 and counts["evaluate"] == 2, res.stdout
     assert "finetune_group" not in counts

@@ -220,8 +220,10 @@ def test_adding_an_epsilon_leaves_existing_cells_alone(plans):
 def test_the_number_of_learning_rates_replans_every_cell_in_composed_mode(plans):
     jobs, outputs = plans["more_learning_rates"]
     assert jobs["plan"] == 4 and jobs["plan_group_sweep"] == 2
-    # the old rate's runs retrain (their plans changed) and the new rate's are added
-    assert jobs["finetune"] == 8 and jobs["finetune_group"] == 4
+    # the old rate's runs retrain (their plans changed) and the new rate's are added: one job per cell trains both
+    assert jobs["finetune"] == 4 and jobs["finetune_group"] == 2 and jobs["evaluate"] == 6
+    for lr in ("0.003", "0.01"):
+        assert len([o for o in outputs if o.endswith(f"/lr~{lr}/ledger.json")]) == 6, outputs
 
 
 @pytest.mark.integration

@@ -73,7 +73,9 @@ def test_study_config_dry_runs(tmp_path):
     n_lr = len(c["training"]["learning_rates"])
     main = len(g["datasets"]) * len(g["methods"]) * (len(g["epsilons"]) + 1) * len(g["budgets"]) * len(g["seeds"])
     sweep = len(g["datasets"]) * len(g["methods"]) * len(g["group_size_sweep"]) * len(g["seeds"])
-    assert jobs["finetune"] + jobs["finetune_group"] == (main + sweep) * n_lr
+    assert n_lr > 1  # the sweep is chosen on validation users
+    # one finetune job and one evaluate job per cell, each for every learning rate
+    assert jobs["finetune"] + jobs["finetune_group"] == main + sweep == jobs["evaluate"] == jobs["select_lr"]
     assert jobs["findings"] == 1 and jobs["plot_lm_uls_minus_els"] == len(g["datasets"])
 
 

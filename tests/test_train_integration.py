@@ -84,25 +84,31 @@ def snakemake(root: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.integration
 def test_pretrain_and_finetune_end_to_end(tmp_path):
     cfg = build_inputs(tmp_path)
+    rates = [0.001, 0.01]  # one finetune job per cell trains both, one after the other
+    (tmp_path / "extra.yaml").write_text(yaml.safe_dump({**CONFIG, "training": {**CONFIG["training"],
+                                                                                 "learning_rates": rates}}))
     res = snakemake(tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
     assert (tmp_path / "results/model/pretrained/model.safetensors").exists()
     assert "pretrain step 20/20" in (tmp_path / "results/logs/pretrain.log").read_text()
+    assert res.stdout.count("rule finetune:") + res.stderr.count("rule finetune:") == 2  # one job per cell
     for cell in iter_cells(cfg):
-        run = tmp_path / cell.run_dir / f"lr~{fmt_num(0.001)}"
         plan = read_json(tmp_path / cell.plan_path)
-        ledger = read_json(run / "ledger.json")
-        assert ledger["method"] == cell.method and ledger["complete"]
-        assert ledger["steps_completed"] == plan["steps"] == 3
-        assert ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9)
-        assert ledger["learning_rate"] == 0.001
-        log = pd.read_parquet(run / "train_log.parquet")
-        assert log["step"].tolist() == [1, 2, 3]
-        assert "loss" not in log.columns and "examples_processed" not in log.columns  # debug_step_log off
-        assert (run / "model/model.safetensors").exists() and (run / "model/config.json").exists()
-        assert not (run / "checkpoint").exists()
-        logfile = tmp_path / "results/logs/finetune/tiny" / f"method~{cell.method}/eps~8/budget~24/seed~0/lr~0.001.log"
-        assert "run complete: 3 steps" in logfile.read_text()
+        for lr in rates:
+            run = tmp_path / cell.run_dir / f"lr~{fmt_num(lr)}"
+            ledger = read_json(run / "ledger.json")
+            assert ledger["method"] == cell.method and ledger["complete"]
+            assert ledger["steps_completed"] == plan["steps"] == 3
+            assert ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9)
+            assert ledger["learning_rate"] == lr
+            log = pd.read_parquet(run / "train_log.parquet")
+            assert log["step"].tolist() == [1, 2, 3]
+            assert "loss" not in log.columns and "examples_processed" not in log.columns  # debug_step_log off
+            assert (run / "model/model.safetensors").exists() and (run / "model/config.json").exists()
+            assert not (run / "checkpoint").exists()
+        logfile = tmp_path / "results/logs/finetune/tiny" / f"method~{cell.method}/eps~8/budget~24/seed~0.log"
+        text = logfile.read_text()
+        assert text.count("run complete: 3 steps") == 2 and "learning rate 2/2: 0.01" in text
     # nothing left to do
     again = snakemake(tmp_path, "--dry-run")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr

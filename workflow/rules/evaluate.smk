@@ -1,5 +1,5 @@
-# Evaluation stage: next-token metrics of every fine-tuned run (one per
-# learning rate) and of the pretrained model, learning-rate selection on
+# Evaluation stage: next-token metrics of every fine-tuned run (one job per
+# cell evaluates each learning rate's run) and of the pretrained model, learning-rate selection on
 # validation users, and the per-dataset summary table.
 #
 # Validation and test users are disjoint from the training users (their data
@@ -33,23 +33,24 @@ _EVAL_PARAMS = dict(
 
 rule evaluate:
     input:
-        model=lambda wc: eval_targets.run_model_files(config, wc.dataset, wc.cell, wc.lr),
+        model=lambda wc: eval_targets.cell_model_files(config, wc.dataset, wc.cell),
         tokens=layout.TOKENS,
     output:
-        f"{layout.RUN_DIR}/{layout.EVAL}",
+        # each learning rate's eval.json; the models are evaluated in turn in one job (one start-up)
+        eval_targets.lr_run_files(config, "{dataset}", "{cell}", layout.EVAL),
     wildcard_constraints:
         cell=layout.CELL_RE,
     params:
-        model=lambda wc, input: os.path.dirname(input.model[0]),
+        models=lambda wc: eval_targets.cell_model_dirs(config, wc.dataset, wc.cell),
         local_model=True,
-        learning_rate=lambda wc: float(wc.lr),
+        learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
         **_EVAL_PARAMS,
     log:
         layout.LOG_EVALUATE,
     threads: config["training"]["threads"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
-        runtime=config["evaluation"]["runtime"],
+        runtime=config["evaluation"]["runtime"] * len(config["training"]["learning_rates"]),
         gpu=min(1, config["training"]["gpus"]),
     conda:
         "../envs/userdp.yaml"
@@ -65,9 +66,9 @@ rule evaluate_pretrained:
         layout.PRETRAINED_METRICS,
     params:
         # the local folder of the pretrained model, or the hub name in model.name
-        model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
+        models=lambda wc, input: [os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"]],
         local_model=not config["model"]["name"],
-        learning_rate=None,
+        learning_rates=[None],
         **_EVAL_PARAMS,
     log:
         layout.LOG_EVALUATE_PRETRAINED,

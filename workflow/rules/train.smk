@@ -1,6 +1,8 @@
 # Training stage: pretrain the small base model (rule pretrain), then one DP
-# fine-tuning run per grid cell and learning rate (rule finetune, and
-# finetune_group for G-sweep cells) into its run folder (userdp.layout.RUN_DIR).
+# fine-tuning job per grid cell (rule finetune, and finetune_group for G-sweep
+# cells) that trains every learning rate of training.learning_rates in turn,
+# each into its own run folder (userdp.layout.RUN_DIR): one process start-up
+# (imports, base model, data) per cell instead of per run.
 # Targets: userdp.training.targets.train_targets(config).
 from userdp import layout
 from userdp.training.targets import (
@@ -8,9 +10,11 @@ from userdp.training.targets import (
     base_model,
     finetune_inputs,
     finetune_params,
+    finetune_runtime,
+    learning_rate_texts,
     pretrain_inputs,
     pretrain_params,
-    run_outputs,
+    sweep_outputs,
 )
 
 
@@ -48,9 +52,12 @@ rule finetune:
     input:
         unpack(lambda wildcards: finetune_inputs(config, wildcards)),
     output:
-        **run_outputs(layout.FINETUNE_RUN_DIR, config),
+        # every learning rate's ledger, train log and model (userdp.training.targets.sweep_outputs)
+        sweep_outputs(layout.FINETUNE_RUN_DIR, config),
     params:
-        lr=lambda wildcards: float(wildcards.lr),
+        # the rates, in the order of the run folders in the outputs (a run already finished, by an
+        # earlier job that was killed or by a rerun of an unchanged run, is restored from its finished/ record)
+        learning_rates=[float(lr) for lr in learning_rate_texts(config)],
         model=base_model(config),
         settings=lambda wildcards: finetune_params(config, wildcards.dataset),
     log:
@@ -61,7 +68,7 @@ rule finetune:
     # one GPU each; userdp.training.distributed), sharing `threads`.
     resources:
         mem_mb=config["resources"]["finetune_mem_mb"],
-        runtime=config["resources"]["finetune_runtime"],
+        runtime=finetune_runtime(config),
         gpu=config["training"]["gpus"],
         cpus_per_gpu=config["training"]["threads"],
     conda:
@@ -72,6 +79,6 @@ rule finetune:
 
 use rule finetune as finetune_group with:
     output:
-        **run_outputs(layout.FINETUNE_GROUP_RUN_DIR, config),
+        sweep_outputs(layout.FINETUNE_GROUP_RUN_DIR, config),
     log:
         layout.LOG_FINETUNE_GROUP,

@@ -1,13 +1,14 @@
-"""Snakemake script: next-token metrics of one model on validation and test users.
+"""Snakemake script: next-token metrics of models on validation and test users.
 
-Rules `evaluate` (a fine-tuned run at one learning rate -> eval.json) and
-`evaluate_pretrained` (the model before fine-tuning -> metrics.json).
+Rules `evaluate` (every learning rate's fine-tuned model of one cell -> each
+run folder's eval.json, in one process) and `evaluate_pretrained` (the model
+before fine-tuning -> metrics.json).
 """
 
 import torch
 
 from userdp.errors import run_main
-from userdp.evaluation.metrics import evaluate_model
+from userdp.evaluation.metrics import evaluate_models
 from userdp.evaluation.select import pretrained_metrics
 from userdp.io import write_json
 from userdp.logutil import setup_logging
@@ -19,8 +20,11 @@ def main() -> None:
     sm = snakemake  # noqa: F821
     torch.set_num_threads(max(1, int(sm.threads)))
     p = sm.params
-    result = evaluate_model(
-        p.model,
+    models, rates, outputs = list(p.models), list(p.learning_rates), list(sm.output)
+    if not len(models) == len(rates) == len(outputs):
+        raise RuntimeError(f"evaluate: {len(models)} models, {len(rates)} learning rates, {len(outputs)} outputs")
+    results = evaluate_models(
+        models,
         sm.input.tokens,
         dataset=sm.wildcards.dataset,
         root_seed=p.seed,
@@ -30,12 +34,13 @@ def main() -> None:
         device=sm.config["training"]["device"],
         local_model=p.local_model,
     )
-    result["model"] = str(p.model)
-    if p.learning_rate is None:
-        result = pretrained_metrics(result)
-    else:
-        result["learning_rate"] = float(p.learning_rate)
-    write_json(sm.output[0], result)
+    for model, rate, result, out in zip(models, rates, results, outputs):
+        result["model"] = str(model)
+        if rate is None:
+            result = pretrained_metrics(result)
+        else:
+            result["learning_rate"] = float(rate)
+        write_json(out, result)
 
 
 run_main(main, log)

@@ -109,7 +109,8 @@ ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 PRETRAINED = "results/model/pretrained"
 
 # Runs: a grid cell's folder is RUNS/{cell}, {cell} being CELL or GROUP_CELL
-# formatted (matched by CELL_RE); each learning rate trains into its RUN_DIR.
+# formatted (matched by CELL_RE); each learning rate trains into its RUN_DIR (all of a cell's rates in one
+# job of rule finetune: `lr_dirs`).
 RUNS = "results/runs/{dataset}"
 CELL = _SETTING + "/" + _SEED
 GROUP_CELL = _SETTING + "/" + _GROUP + "/" + _SEED
@@ -182,9 +183,11 @@ LOG_GROUP_PLAN = LOGS + "/plan/{dataset}/" + _SETTING + "/" + _GROUP + ".log"
 LOG_ACCOUNTING_COMPARISON = LOGS + "/accounting/comparison.log"
 LOG_FINDINGS = LOGS + "/findings/{study}.log"
 LOG_PRETRAIN = LOGS + "/pretrain.log"
-LOG_FINETUNE = LOGS + "/finetune/{dataset}/" + CELL + "/" + _LR + ".log"
-LOG_FINETUNE_GROUP = LOGS + "/finetune/{dataset}/" + GROUP_CELL + "/" + _LR + ".log"
-LOG_EVALUATE = LOGS + "/evaluate/{dataset}/{cell}/" + _LR + ".log"
+# One fine-tuning job (and one evaluation job) per cell trains (evaluates) every learning rate of
+# training.learning_rates in turn, so their logs are per cell, not per run folder.
+LOG_FINETUNE = LOGS + "/finetune/{dataset}/" + CELL + ".log"
+LOG_FINETUNE_GROUP = LOGS + "/finetune/{dataset}/" + GROUP_CELL + ".log"
+LOG_EVALUATE = LOGS + "/evaluate/{dataset}/{cell}.log"
 LOG_EVALUATE_PRETRAINED = LOGS + "/evaluate/{dataset}/pretrained.log"
 LOG_SELECT_LR = LOGS + "/select_lr/{dataset}/{cell}.log"
 LOG_RANDOM_STOPPING = LOGS + "/random_stopping/{dataset}/{cell}.log"

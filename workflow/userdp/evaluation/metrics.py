@@ -195,8 +195,18 @@ def evaluate_set(model: torch.nn.Module, eval_set: EvalSet, batch_size: int, dev
     return summarise(*scores, eval_set.user_ids)
 
 
-def evaluate_model(
-    model_path: str | os.PathLike,
+def evaluate_model(model_path: str | os.PathLike, tokens_path: str | os.PathLike, **options) -> dict:
+    """Validation and test metrics of the model at `model_path`, as flat `{split}_{metric}` fields.
+
+    `options` are `evaluate_models`'s (dataset, root_seed, max_users, batch_size, device, local_model). The
+    users are a seeded choice that depends on the config seed, the dataset and the split only, so every run
+    and the pretrained model are evaluated on the same users (paired comparisons).
+    """
+    return evaluate_models([model_path], tokens_path, **options)[0]
+
+
+def evaluate_models(
+    model_paths: Sequence[str | os.PathLike],
     tokens_path: str | os.PathLike,
     *,
     dataset: str,
@@ -205,23 +215,30 @@ def evaluate_model(
     batch_size: int,
     device: str = "auto",
     local_model: bool = True,
-) -> dict:
-    """Validation and test metrics of the model at `model_path`, as flat `{split}_{metric}` fields.
+) -> list[dict]:
+    """`evaluate_model` of each model in turn (one job of rule evaluate: a cell's learning rates).
 
-    The users are a seeded choice that depends on the config seed, the dataset
-    and the split only, so every run and the pretrained model are evaluated on
-    the same users (paired comparisons).
+    The evaluation users and their rows are read once and shared: every model
+    sees exactly the sets `evaluate_model` would give it alone.
     """
     dev = resolve_device(device)
-    model = load_model(model_path, dev, local=local_model).eval()
-    out: dict = {}
+    eval_sets: dict[str, EvalSet] = {}
     for split in EVAL_SPLITS:
         seed = derive_seed_crc32(root_seed, "evaluation", dataset, split)
-        eval_set = load_eval_set(tokens_path, split, max_users, seed)
-        log.info("%s: %d users, %d examples", split, len(eval_set.users), len(eval_set.sequences))
-        metrics = evaluate_set(model, eval_set, batch_size, dev)
-        log.info("%s: loss %.4f, user-macro loss %.4f, accuracy %.4f", split, metrics["loss"],
-                 metrics["loss_user_macro"], metrics["accuracy"])
-        out.update({f"{split}_{k}": v for k, v in metrics.items()})
-    out["evaluation"] = {"max_users": max_users, "batch_size": batch_size, "seed": root_seed, "device": str(dev)}
-    return out
+        eval_sets[split] = load_eval_set(tokens_path, split, max_users, seed)
+    results = []
+    for model_path in model_paths:
+        if len(model_paths) > 1:
+            log.info("model %s", model_path)
+        model = load_model(model_path, dev, local=local_model).eval()
+        out: dict = {}
+        for split, eval_set in eval_sets.items():
+            log.info("%s: %d users, %d examples", split, len(eval_set.users), len(eval_set.sequences))
+            metrics = evaluate_set(model, eval_set, batch_size, dev)
+            log.info("%s: loss %.4f, user-macro loss %.4f, accuracy %.4f", split, metrics["loss"],
+                     metrics["loss_user_macro"], metrics["accuracy"])
+            out.update({f"{split}_{k}": v for k, v in metrics.items()})
+        out["evaluation"] = {"max_users": max_users, "batch_size": batch_size, "seed": root_seed, "device": str(dev)}
+        results.append(out)
+        del model
+    return results

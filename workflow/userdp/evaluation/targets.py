@@ -10,11 +10,7 @@ import math
 from typing import Mapping
 
 from .. import layout
-
-
-def learning_rate_texts(config: Mapping) -> list[str]:
-    """training.learning_rates as path text (lr~0.001)."""
-    return [layout.fmt_num(lr) for lr in config["training"]["learning_rates"]]
+from ..training.targets import learning_rate_texts
 
 
 def run_file(dataset: str, cell: str, lr: str, name: str) -> str:
@@ -27,6 +23,16 @@ def run_model_files(config: Mapping, dataset: str, cell: str, lr: str) -> list[s
     from ..training.targets import run_model_files as model_folder_files
 
     return model_folder_files(run_file(dataset, cell, lr, layout.RUN_MODEL), config)
+
+
+def cell_model_files(config: Mapping, dataset: str, cell: str) -> list[str]:
+    """The model files of every learning rate's run of a cell (rule evaluate's input), in config order."""
+    return [f for lr in learning_rate_texts(config) for f in run_model_files(config, dataset, cell, lr)]
+
+
+def cell_model_dirs(config: Mapping, dataset: str, cell: str) -> list[str]:
+    """The model folder of every learning rate's run of a cell, in config order (what rule evaluate loads)."""
+    return lr_run_files(config, dataset, cell, layout.RUN_MODEL)
 
 
 def lr_run_files(config: Mapping, dataset: str, cell: str, name: str) -> list[str]:

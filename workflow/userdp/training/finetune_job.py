@@ -1,12 +1,14 @@
-"""One fine-tuning job (rule finetune): in this process, or in several under torchrun.
+"""Fine-tuning runs (rule finetune): in this process, or in several under torchrun.
 
-`run_job(job)` loads the run's inputs (bounded pool, tokenizer, base model,
+`run_job(job)` loads one run's inputs (bounded pool, tokenizer, base model,
 plan) and calls `engine.train`. `launch(job, processes)` does that in this
 process when `processes` <= 1, and otherwise writes the job to a JSON file
 in the run folder and starts `processes` data-parallel workers with torchrun,
 each running `python -m userdp.training.finetune_job --job FILE` (see
-`userdp.training.distributed` for how they share a step). The Snakemake
-script only builds the job from its `snakemake` object and calls `launch`.
+`userdp.training.distributed` for how they share a step). `launch_sweep`
+launches the runs of a cell's learning rates one after the other: one job of
+rule finetune. The Snakemake script only builds the jobs from its `snakemake`
+object and calls `launch_sweep`.
 """
 
 from __future__ import annotations
@@ -123,6 +125,20 @@ def launch(job: FinetuneJob, processes: int) -> None:
         distributed.launch_torchrun(processes, WORKER_MODULE, ["--job", spec], threads_per_process=per_rank)
     finally:
         os.unlink(spec)
+
+
+def launch_sweep(jobs: list[FinetuneJob], processes: int) -> None:
+    """Run the jobs of one cell (its learning rates) one after the other in this job (`launch` each).
+
+    One process start-up (imports, the tokenizer's and transformers' code) serves every rate; each run still
+    loads its own inputs and seeds itself from its own learning rate (`engine.run_seeds`), so a run's model,
+    ledger and log are those it would have as the only rate (tests/test_train_sweep.py). A run that finished
+    before (its finished/ record) is restored instead of trained. The first failure stops the job.
+    """
+    for i, job in enumerate(jobs, 1):
+        if len(jobs) > 1:
+            log.info("learning rate %d/%d: %s -> %s", i, len(jobs), job.learning_rate, job.run_dir)
+        launch(job, processes)
 
 
 def _worker_logging(log_path: str | None, rank: int) -> None:

@@ -6,6 +6,7 @@ the path logic is unit-testable. The paths are userdp.layout's templates.
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Any
 
 from .. import layout
@@ -35,6 +36,35 @@ def run_outputs(run_dir: str, config: dict) -> dict[str, str]:
     config_file, weights = run_model_files(f"{run_dir}/{layout.RUN_MODEL}", config)
     return {"ledger": f"{run_dir}/{layout.LEDGER}", "train_log": f"{run_dir}/{layout.TRAIN_LOG}",
             "model": weights, "model_config": config_file}
+
+
+def learning_rate_texts(config: dict) -> list[str]:
+    """training.learning_rates as path text (the `lr~...` of RUN_DIR), in config order."""
+    return [layout.fmt_num(lr) for lr in config["training"]["learning_rates"]]
+
+
+def lr_dirs(run_dir: str, config: dict) -> list[str]:
+    """The run folder of each learning rate, from a run-folder template with an `{lr}` wildcard.
+
+    Other wildcards ({dataset}, {cell}, ...) stay templates: `lr_dirs(layout.FINETUNE_RUN_DIR, config)` are the
+    folders one job of rule finetune trains into, one after the other.
+    """
+    return [run_dir.replace("{lr}", lr) for lr in learning_rate_texts(config)]
+
+
+def sweep_outputs(run_dir: str, config: dict) -> list[str]:
+    """The outputs of one job of rule `finetune`: `run_outputs` of every learning rate's run folder, in order."""
+    return [path for d in lr_dirs(run_dir, config) for path in run_outputs(d, config).values()]
+
+
+def sweep_run_dirs(outputs: list[str]) -> list[str]:
+    """The run folders of a job of rule finetune, in learning-rate order, from its outputs (`sweep_outputs`)."""
+    return [str(PurePosixPath(p).parent) for p in outputs if PurePosixPath(p).name == layout.LEDGER]
+
+
+def finetune_runtime(config: dict) -> int:
+    """Minutes for one job of rule finetune: resources.finetune_runtime per learning rate it trains."""
+    return int(config["resources"]["finetune_runtime"]) * len(config["training"]["learning_rates"])
 
 
 def run_dirs(config: dict) -> list[str]:

@@ -1,0 +1,92 @@
+"""One fine-tuning job trains every learning rate of a cell (finetune_job.launch_sweep): each run is the run alone.
+
+The rates share a process (one start-up), not state: a run trained second in a job has the same weights,
+ledger and per-step log as the same run trained on its own, so batching the sweep changes no released model
+and no mechanism (each rate draws its own samples and noise from its own seeds, engine.run_seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pandas as pd
+import torch
+from safetensors.torch import load_file
+
+from test_train_integration import CONFIG, build_inputs
+from userdp.config import validate_config
+from userdp.io import read_json
+from userdp.layout import PRETRAINED, fmt_num, iter_cells
+from userdp.training import finetune_job
+from userdp.training.models import build_model, load_tokenizer, special_ids, save_model_atomic
+from userdp.training.targets import lr_dirs, sweep_outputs, sweep_run_dirs
+
+RATES = (0.001, 0.01)
+
+
+def _inputs(root):
+    build_inputs(root)
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["training"]["learning_rates"] = list(RATES)
+    cfg = validate_config(cfg)
+    tokenizer = load_tokenizer(str(root / "results/tokenizer"))
+    model = build_model(cfg["model"], len(tokenizer), cfg["tokenizer"]["sequence_length"],
+                        special_ids(tokenizer), seed=0)
+    save_model_atomic(model, root / PRETRAINED)
+    return cfg
+
+
+def _job(root, cfg, cell, lr, run_dir):
+    return finetune_job.FinetuneJob(
+        config=cfg, plan=str(root / cell.plan_path), tokens=str(root / "results/data/tiny/tokens.parquet"),
+        tokenizer=str(root / "results/tokenizer"), model=str(root / PRETRAINED), run_dir=str(run_dir),
+        learning_rate=lr, dataset=cell.dataset, method=cell.method, eps=cell.eps_text, budget=str(cell.compute),
+        seed=cell.seed, threads=1)
+
+
+def _ledger(run_dir):
+    return read_json(run_dir / "ledger.json")
+
+
+def test_a_run_trained_after_another_rate_in_one_job_equals_the_run_alone(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)  # the plans' and finished records' relative paths
+    cfg = _inputs(tmp_path)
+    for cell in iter_cells(cfg):
+        swept = [tmp_path / "sweep" / cell.lr_dir(lr) for lr in RATES]
+        alone = tmp_path / "alone" / cell.lr_dir(RATES[1])
+        finetune_job.launch_sweep([_job(tmp_path, cfg, cell, lr, d) for lr, d in zip(RATES, swept)], processes=0)
+        finetune_job.launch(_job(tmp_path, cfg, cell, RATES[1], alone), processes=0)
+
+        first, second, ref = (load_file(d / "model/model.safetensors") for d in (*swept, alone))
+        assert second.keys() == ref.keys()
+        assert all(torch.equal(second[k], ref[k]) for k in ref), f"{cell.method}: the second rate's model differs"
+        assert any(not torch.equal(first[k], second[k]) for k in ref)  # the rates did train different models
+        assert _ledger(swept[1]) == _ledger(alone)
+        assert _ledger(swept[1])["learning_rate"] == RATES[1] and _ledger(swept[0])["learning_rate"] == RATES[0]
+        pd.testing.assert_frame_equal(pd.read_parquet(swept[1] / "train_log.parquet"),
+                                      pd.read_parquet(alone / "train_log.parquet"))
+
+        # The job is rerun after snakemake deleted its outputs (a kill after both rates finished): each rate is
+        # restored from its own finished/ record, bit for bit, none trains again.
+        before = [(d / "model/model.safetensors").read_bytes() for d in swept]
+        for d in swept:
+            shutil.rmtree(d / "model")
+            (d / "ledger.json").unlink()
+            (d / "train_log.parquet").unlink()
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            finetune_job.launch_sweep([_job(tmp_path, cfg, cell, lr, d) for lr, d in zip(RATES, swept)], 0)
+        assert caplog.text.count("restored the finished outputs") == 2 and "run complete" not in caplog.text
+        assert [(d / "model/model.safetensors").read_bytes() for d in swept] == before
+
+
+def test_the_outputs_of_one_finetune_job_are_every_rates_run_folder():
+    cfg = {"training": {"learning_rates": [0.001, 3e-4]}, "model": {"lora": None}}
+    template = "results/runs/{dataset}/method~{method}/seed~{seed}/lr~{lr}"
+    dirs = lr_dirs(template, cfg)
+    assert dirs == [f"results/runs/{{dataset}}/method~{{method}}/seed~{{seed}}/lr~{fmt_num(lr)}"
+                    for lr in (0.001, 3e-4)]
+    outputs = sweep_outputs(template, cfg)
+    assert len(outputs) == 8 and sweep_run_dirs(outputs) == dirs  # ledger, log, weights, config per rate
+    assert [o for o in outputs if o.endswith("/ledger.json")] == [f"{d}/ledger.json" for d in dirs]
