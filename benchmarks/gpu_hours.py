@@ -35,6 +35,7 @@ from collections import defaultdict
 
 from userdp.config import load_config
 from userdp.layout import iter_cells
+from userdp.training.targets import finetune_runtime, rates_per_job
 
 
 # Model shapes: parameters, layers, width, attention heads, vocabulary.
@@ -141,21 +142,23 @@ def main() -> None:
 
     rows: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     longest = 0.0
+    per_job = rates_per_job(config)  # training.sweep_jobs: runs trained (and evaluated) by one job
+    n_runs = n_jobs = 0
     for cell in iter_cells(config):
         rule = "finetune_group" if cell.group_size else "finetune"
         kind = "nonprivate" if math.isinf(cell.epsilon) else cell.method
         hours = cell.compute * sec[kind] / 3600
-        longest = max(longest, hours + args.job_overhead_min / 60)
+        longest = max(longest, (hours + args.job_overhead_min / 60) * per_job)
         r = rows[(rule, kind if kind == "nonprivate" else f"{kind} (private)")]
-        r["jobs"] += len(lrs)
+        r["jobs"] += len(lrs) // per_job
         r["examples"] += cell.compute * len(lrs)
         r["hours"] += (hours + args.job_overhead_min / 60) * len(lrs)
-    n_runs = sum(r["jobs"] for r in rows.values())
+        n_runs, n_jobs = n_runs + len(lrs), n_jobs + len(lrs) // per_job
     max_users = config["evaluation"]["max_users"] or 0
     eval_examples = 2 * max_users * args.eval_examples_per_user  # validation + test
     eval_h = eval_examples * f_eval / achieved / 3600
     n_pre = len(config["grid"]["datasets"] or config["datasets"])
-    rows[("evaluate", "forward only")] = {"jobs": n_runs, "examples": eval_examples * n_runs, "hours": eval_h * n_runs}
+    rows[("evaluate", "forward only")] = {"jobs": n_jobs, "examples": eval_examples * n_runs, "hours": eval_h * n_runs}
     rows[("evaluate_pretrained", "forward only")] = {"jobs": n_pre, "examples": eval_examples * n_pre,
                                                     "hours": eval_h * n_pre}
 
@@ -173,7 +176,7 @@ def main() -> None:
     print(f"| **total** | | | | **{total:,.0f}** |")
     print()
     print(f"longest single fine-tuning job: {longest:.1f} h (resources.finetune_runtime: "
-          f"{config['resources']['finetune_runtime'] / 60:.0f} h); one evaluate job: {eval_h * 60:.0f} min")
+          f"{finetune_runtime(config) / 60:.0f} h); one evaluate job: {eval_h * per_job * 60:.0f} min")
     if args.memory:
         lora_n = lora_param_count(args.n_layer, args.n_embd, args.lora, args.intermediate) if args.lora else None
         micro = int(config["training"]["physical_batch_size"])

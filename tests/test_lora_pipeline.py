@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,5 @@ def test_example_llama_lora_config_dry_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
     assert "lr~0.0003/model/adapter_model.safetensors" in out and "rule pretrain" not in out
+    jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", out, re.M)}
+    assert jobs["finetune"] == jobs["evaluate"] == 3, out[-3000:]  # training.sweep_jobs: per_run, a job per rate

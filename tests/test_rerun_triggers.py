@@ -104,6 +104,7 @@ SCENARIOS = {
         "training.threads": 2, "training.checkpoint_every": 3, "training.physical_batch_size": 128,
         "evaluation.batch_size": 7, "evaluation.mem_mb": 3000, "tokenizer.batch_rows": 50, "tokenizer.threads": 1,
         "resources.finetune_mem_mb": 3000,
+        "training.sweep_jobs": "per_run",  # a job per run instead of per cell: the same runs
         # explicit false resolves to what null gives a synthetic dataset: the same params
         "privacy.secret_seeds": False,
     })),

@@ -11,6 +11,7 @@ import json
 import shutil
 
 import pandas as pd
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -20,7 +21,7 @@ from userdp.io import read_json
 from userdp.layout import PRETRAINED, fmt_num, iter_cells
 from userdp.training import finetune_job
 from userdp.training.models import build_model, load_tokenizer, special_ids, save_model_atomic
-from userdp.training.targets import lr_dirs, sweep_outputs, sweep_run_dirs
+from userdp.training.targets import lr_dirs, rates_per_job, sweep_outputs, sweep_runs
 
 RATES = (0.001, 0.01)
 
@@ -81,12 +82,20 @@ def test_a_run_trained_after_another_rate_in_one_job_equals_the_run_alone(tmp_pa
         assert [(d / "model/model.safetensors").read_bytes() for d in swept] == before
 
 
-def test_the_outputs_of_one_finetune_job_are_every_rates_run_folder():
-    cfg = {"training": {"learning_rates": [0.001, 3e-4]}, "model": {"lora": None}}
+def test_the_outputs_of_one_finetune_job_are_every_rates_run_folder_or_one_per_run():
     template = "results/runs/{dataset}/method~{method}/seed~{seed}/lr~{lr}"
+    rates = [0.001, 3e-4]
+    cfg = {"training": {"learning_rates": rates}, "model": {"lora": None}}
     dirs = lr_dirs(template, cfg)
-    assert dirs == [f"results/runs/{{dataset}}/method~{{method}}/seed~{{seed}}/lr~{fmt_num(lr)}"
-                    for lr in (0.001, 3e-4)]
+    assert dirs == [f"results/runs/{{dataset}}/method~{{method}}/seed~{{seed}}/lr~{fmt_num(lr)}" for lr in rates]
     outputs = sweep_outputs(template, cfg)
-    assert len(outputs) == 8 and sweep_run_dirs(outputs) == dirs  # ledger, log, weights, config per rate
-    assert [o for o in outputs if o.endswith("/ledger.json")] == [f"{d}/ledger.json" for d in dirs]
+    assert len(outputs) == 8  # ledger, log, weights, config per rate
+    assert sweep_runs(outputs, "ledger.json", rates) == list(zip(rates, dirs))
+    assert rates_per_job(cfg) == 2
+
+    per_run = {"training": {"learning_rates": rates, "sweep_jobs": "per_run"}, "model": {"lora": None}}
+    assert lr_dirs(template, per_run) == [template] and rates_per_job(per_run) == 1
+    one = [o.format(dataset="d", method="els", seed=0, lr="0.0003") for o in sweep_outputs(template, per_run)]
+    assert sweep_runs(one, "ledger.json", rates) == [(3e-4, "results/runs/d/method~els/seed~0/lr~0.0003")]
+    with pytest.raises(ValueError, match="lr~0.5"):
+        sweep_runs(["results/runs/d/x/lr~0.5/eval.json"], "eval.json", rates)

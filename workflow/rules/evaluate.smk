@@ -1,5 +1,6 @@
 # Evaluation stage: next-token metrics of every fine-tuned run (one job per
-# cell evaluates each learning rate's run) and of the pretrained model, learning-rate selection on
+# cell evaluates each learning rate's run, or one per run: training.sweep_jobs)
+# and of the pretrained model, learning-rate selection on
 # validation users, and the per-dataset summary table.
 #
 # Validation and test users are disjoint from the training users (their data
@@ -15,7 +16,7 @@ from functools import partial
 import userdp.evaluation.targets as eval_targets
 from userdp import layout
 from userdp.plotting.registry import figure_targets
-from userdp.training.targets import base_model, finetune_params
+from userdp.training.targets import base_model, finetune_params, per_cell_jobs, rates_per_job
 
 evaluation_targets = partial(eval_targets.evaluation_targets, config)
 
@@ -33,24 +34,24 @@ _EVAL_PARAMS = dict(
 
 rule evaluate:
     input:
-        model=lambda wc: eval_targets.cell_model_files(config, wc.dataset, wc.cell),
+        model=lambda wc: eval_targets.job_model_files(config, wc),
         tokens=layout.TOKENS,
     output:
-        # each learning rate's eval.json; the models are evaluated in turn in one job (one start-up)
-        eval_targets.lr_run_files(config, "{dataset}", "{cell}", layout.EVAL),
+        # the eval.json of each run the job evaluates: every learning rate of the cell in turn
+        # (training.sweep_jobs: per_cell, one start-up), or one run ({lr}; per_run)
+        eval_targets.job_eval_outputs(config),
     wildcard_constraints:
         cell=layout.CELL_RE,
     params:
-        models=lambda wc: eval_targets.cell_model_dirs(config, wc.dataset, wc.cell),
         local_model=True,
         learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
         **_EVAL_PARAMS,
     log:
-        layout.LOG_EVALUATE,
+        layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN,
     threads: config["training"]["threads"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
-        runtime=config["evaluation"]["runtime"] * len(config["training"]["learning_rates"]),
+        runtime=config["evaluation"]["runtime"] * rates_per_job(config),
         gpu=min(1, config["training"]["gpus"]),
     conda:
         "../envs/userdp.yaml"
@@ -66,9 +67,9 @@ rule evaluate_pretrained:
         layout.PRETRAINED_METRICS,
     params:
         # the local folder of the pretrained model, or the hub name in model.name
-        models=lambda wc, input: [os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"]],
+        model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
         local_model=not config["model"]["name"],
-        learning_rates=[None],
+        learning_rate=None,
         **_EVAL_PARAMS,
     log:
         layout.LOG_EVALUATE_PRETRAINED,

@@ -2,7 +2,8 @@
 # fine-tuning job per grid cell (rule finetune, and finetune_group for G-sweep
 # cells) that trains every learning rate of training.learning_rates in turn,
 # each into its own run folder (userdp.layout.RUN_DIR): one process start-up
-# (imports, base model, data) per cell instead of per run.
+# (imports, base model, data) per cell instead of per run. With
+# training.sweep_jobs: per_run, a job per run folder instead ({lr} wildcard).
 # Targets: userdp.training.targets.train_targets(config).
 from userdp import layout
 from userdp.training.targets import (
@@ -12,6 +13,7 @@ from userdp.training.targets import (
     finetune_params,
     finetune_runtime,
     learning_rate_texts,
+    per_cell_jobs,
     pretrain_inputs,
     pretrain_params,
     sweep_outputs,
@@ -52,16 +54,17 @@ rule finetune:
     input:
         unpack(lambda wildcards: finetune_inputs(config, wildcards)),
     output:
-        # every learning rate's ledger, train log and model (userdp.training.targets.sweep_outputs)
+        # the ledger, train log and model of each run the job trains (userdp.training.targets.sweep_outputs)
         sweep_outputs(layout.FINETUNE_RUN_DIR, config),
     params:
-        # the rates, in the order of the run folders in the outputs (a run already finished, by an
-        # earlier job that was killed or by a rerun of an unchanged run, is restored from its finished/ record)
+        # every rate (the same in both sweep_jobs modes, so switching reruns nothing); the job trains those of
+        # its outputs' run folders, in order (a run that already finished, in an earlier job that was killed
+        # or in a rerun of an unchanged run, is restored from its finished/ record)
         learning_rates=[float(lr) for lr in learning_rate_texts(config)],
         model=base_model(config),
         settings=lambda wildcards: finetune_params(config, wildcards.dataset),
     log:
-        layout.LOG_FINETUNE,
+        layout.LOG_FINETUNE if per_cell_jobs(config) else layout.LOG_FINETUNE_RUN,
     threads: config["training"]["threads"]
     # gpu > 1 (training.gpus, or set-resources finetune: gpu: N in a profile):
     # the script runs the job as that many data-parallel processes (torchrun,
@@ -81,4 +84,4 @@ use rule finetune as finetune_group with:
     output:
         sweep_outputs(layout.FINETUNE_GROUP_RUN_DIR, config),
     log:
-        layout.LOG_FINETUNE_GROUP,
+        layout.LOG_FINETUNE_GROUP if per_cell_jobs(config) else layout.LOG_FINETUNE_GROUP_RUN,

@@ -1,9 +1,12 @@
 """Snakemake script: next-token metrics of models on validation and test users.
 
-Rules `evaluate` (every learning rate's fine-tuned model of one cell -> each
-run folder's eval.json, in one process) and `evaluate_pretrained` (the model
+Rules `evaluate` (the fine-tuned model of each run folder of the job: every
+learning rate of one cell in turn, or one run under training.sweep_jobs:
+per_run -> each run folder's eval.json) and `evaluate_pretrained` (the model
 before fine-tuning -> metrics.json).
 """
+
+from pathlib import Path
 
 import torch
 
@@ -11,7 +14,9 @@ from userdp.errors import run_main
 from userdp.evaluation.metrics import evaluate_models
 from userdp.evaluation.select import pretrained_metrics
 from userdp.io import write_json
+from userdp.layout import EVAL, RUN_MODEL
 from userdp.logutil import setup_logging
+from userdp.training.targets import sweep_runs
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
 
@@ -20,9 +25,14 @@ def main() -> None:
     sm = snakemake  # noqa: F821
     torch.set_num_threads(max(1, int(sm.threads)))
     p = sm.params
-    models, rates, outputs = list(p.models), list(p.learning_rates), list(sm.output)
-    if not len(models) == len(rates) == len(outputs):
-        raise RuntimeError(f"evaluate: {len(models)} models, {len(rates)} learning rates, {len(outputs)} outputs")
+    pretrained = hasattr(p, "learning_rate")  # rule evaluate_pretrained: one model, no learning rate
+    if pretrained:
+        models, rates, outputs = [p.model], [None], [sm.output[0]]
+    else:
+        runs = sweep_runs(list(sm.output), EVAL, list(p.learning_rates))
+        models = [str(Path(run_dir) / RUN_MODEL) for _, run_dir in runs]
+        rates = [lr for lr, _ in runs]
+        outputs = [str(Path(run_dir) / EVAL) for _, run_dir in runs]
     results = evaluate_models(
         models,
         sm.input.tokens,
@@ -34,7 +44,7 @@ def main() -> None:
         device=sm.config["training"]["device"],
         local_model=p.local_model,
     )
-    for model, rate, result, out in zip(models, rates, results, outputs):
+    for model, rate, result, out in zip(models, rates, results, outputs, strict=True):
         result["model"] = str(model)
         if rate is None:
             result = pretrained_metrics(result)

@@ -1,7 +1,8 @@
 """Snakemake script: the DP (or eps=inf) fine-tuning runs of one cell, one per learning rate (rule finetune).
 
 Every rate of training.learning_rates trains in turn in this process, into
-its own run folder (userdp.training.finetune_job.launch_sweep). With a `gpu`
+its own run folder (userdp.training.finetune_job.launch_sweep); with
+training.sweep_jobs: per_run the job has one run folder, its rate's. With a `gpu`
 resource above 1 (training.gpus, or the profile's set-resources) each run is
 spread over that many data-parallel processes (torchrun); see
 userdp.training.distributed.
@@ -13,7 +14,8 @@ import userdp.config
 import userdp.errors
 import userdp.logutil
 from userdp.training import finetune_job
-from userdp.training.targets import sweep_run_dirs
+from userdp.layout import LEDGER
+from userdp.training.targets import sweep_runs
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -22,7 +24,7 @@ def main() -> None:
     sm = snakemake  # noqa: F821
     config = userdp.config.validate_config(copy.deepcopy(dict(sm.config)))
     w = sm.wildcards
-    run_dirs = sweep_run_dirs(list(sm.output))
+    runs = sweep_runs(list(sm.output), LEDGER, list(sm.params.learning_rates))
     jobs = [
         finetune_job.FinetuneJob(
             config=config, plan=str(sm.input.plan), tokens=str(sm.input.tokens), tokenizer=str(sm.input.tokenizer),
@@ -30,7 +32,7 @@ def main() -> None:
             method=w.method, eps=w.eps, budget=w.budget, seed=int(w.seed), threads=int(sm.threads),
             log=str(sm.log[0]),
         )
-        for lr, run_dir in zip(sm.params.learning_rates, run_dirs, strict=True)
+        for lr, run_dir in runs
     ]
     finetune_job.launch_sweep(jobs, processes=int(getattr(sm.resources, "gpu", 0) or 0))
 

@@ -183,11 +183,14 @@ LOG_GROUP_PLAN = LOGS + "/plan/{dataset}/" + _SETTING + "/" + _GROUP + ".log"
 LOG_ACCOUNTING_COMPARISON = LOGS + "/accounting/comparison.log"
 LOG_FINDINGS = LOGS + "/findings/{study}.log"
 LOG_PRETRAIN = LOGS + "/pretrain.log"
-# One fine-tuning job (and one evaluation job) per cell trains (evaluates) every learning rate of
-# training.learning_rates in turn, so their logs are per cell, not per run folder.
+# training.sweep_jobs: per_cell = one fine-tuning job (and one evaluation job) per cell trains (evaluates)
+# every learning rate in turn, with a log per cell; per_run = a job and a log per run folder (`_RUN` logs).
 LOG_FINETUNE = LOGS + "/finetune/{dataset}/" + CELL + ".log"
 LOG_FINETUNE_GROUP = LOGS + "/finetune/{dataset}/" + GROUP_CELL + ".log"
 LOG_EVALUATE = LOGS + "/evaluate/{dataset}/{cell}.log"
+LOG_FINETUNE_RUN = LOGS + "/finetune/{dataset}/" + CELL + "/" + _LR + ".log"
+LOG_FINETUNE_GROUP_RUN = LOGS + "/finetune/{dataset}/" + GROUP_CELL + "/" + _LR + ".log"
+LOG_EVALUATE_RUN = LOGS + "/evaluate/{dataset}/{cell}/" + _LR + ".log"
 LOG_EVALUATE_PRETRAINED = LOGS + "/evaluate/{dataset}/pretrained.log"
 LOG_SELECT_LR = LOGS + "/select_lr/{dataset}/{cell}.log"
 LOG_RANDOM_STOPPING = LOGS + "/random_stopping/{dataset}/{cell}.log"

@@ -25,14 +25,20 @@ def run_model_files(config: Mapping, dataset: str, cell: str, lr: str) -> list[s
     return model_folder_files(run_file(dataset, cell, lr, layout.RUN_MODEL), config)
 
 
-def cell_model_files(config: Mapping, dataset: str, cell: str) -> list[str]:
-    """The model files of every learning rate's run of a cell (rule evaluate's input), in config order."""
-    return [f for lr in learning_rate_texts(config) for f in run_model_files(config, dataset, cell, lr)]
+def job_eval_outputs(config: Mapping) -> list[str]:
+    """Rule evaluate's outputs: the eval.json of each run folder one job evaluates (training.sweep_jobs)."""
+    from ..training.targets import lr_dirs
+
+    return [f"{d}/{layout.EVAL}" for d in lr_dirs(layout.RUN_DIR, config)]
 
 
-def cell_model_dirs(config: Mapping, dataset: str, cell: str) -> list[str]:
-    """The model folder of every learning rate's run of a cell, in config order (what rule evaluate loads)."""
-    return lr_run_files(config, dataset, cell, layout.RUN_MODEL)
+def job_model_files(config: Mapping, wildcards: Mapping) -> list[str]:
+    """Rule evaluate's model inputs: the model files of each run folder of the job, in order."""
+    from ..training.targets import lr_dirs, run_model_files as model_folder_files
+
+    w = dict(wildcards.items())
+    return [f for d in lr_dirs(layout.RUN_DIR, config)
+            for f in model_folder_files(f"{d.format(**w)}/{layout.RUN_MODEL}", config)]
 
 
 def lr_run_files(config: Mapping, dataset: str, cell: str, name: str) -> list[str]:

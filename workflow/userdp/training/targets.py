@@ -43,28 +43,54 @@ def learning_rate_texts(config: dict) -> list[str]:
     return [layout.fmt_num(lr) for lr in config["training"]["learning_rates"]]
 
 
-def lr_dirs(run_dir: str, config: dict) -> list[str]:
-    """The run folder of each learning rate, from a run-folder template with an `{lr}` wildcard.
+def per_cell_jobs(config: dict) -> bool:
+    """training.sweep_jobs: one finetune (evaluate) job per cell for every learning rate, or one per run."""
+    return config["training"].get("sweep_jobs", "per_cell") == "per_cell"
 
-    Other wildcards ({dataset}, {cell}, ...) stay templates: `lr_dirs(layout.FINETUNE_RUN_DIR, config)` are the
-    folders one job of rule finetune trains into, one after the other.
+
+def rates_per_job(config: dict) -> int:
+    """How many learning rates one job of rule finetune (and evaluate) trains (evaluates)."""
+    return len(config["training"]["learning_rates"]) if per_cell_jobs(config) else 1
+
+
+def lr_dirs(run_dir: str, config: dict) -> list[str]:
+    """The run folders one job writes, from a run-folder template with an `{lr}` wildcard.
+
+    training.sweep_jobs per_cell: the folder of every learning rate, in config order (other wildcards such as
+    {dataset} or {cell} stay templates); per_run: the template itself (the job's {lr} wildcard names its rate).
     """
+    if not per_cell_jobs(config):
+        return [run_dir]
     return [run_dir.replace("{lr}", lr) for lr in learning_rate_texts(config)]
 
 
 def sweep_outputs(run_dir: str, config: dict) -> list[str]:
-    """The outputs of one job of rule `finetune`: `run_outputs` of every learning rate's run folder, in order."""
+    """The outputs of one job of rule `finetune`: `run_outputs` of each of its run folders (`lr_dirs`), in order."""
     return [path for d in lr_dirs(run_dir, config) for path in run_outputs(d, config).values()]
 
 
-def sweep_run_dirs(outputs: list[str]) -> list[str]:
-    """The run folders of a job of rule finetune, in learning-rate order, from its outputs (`sweep_outputs`)."""
-    return [str(PurePosixPath(p).parent) for p in outputs if PurePosixPath(p).name == layout.LEDGER]
+def sweep_runs(outputs: list[str], name: str, learning_rates: list[float]) -> list[tuple[float, str]]:
+    """(learning rate, run folder) of each run a job writes, in order, from its outputs named `name`.
+
+    name: the file that marks a run in the outputs (layout.LEDGER for rule finetune, layout.EVAL for
+    evaluate); the rate is the one of `learning_rates` whose path text is the folder's `lr~...`.
+    """
+    by_text = {layout.fmt_num(lr): float(lr) for lr in learning_rates}
+    runs = []
+    for path in outputs:
+        p = PurePosixPath(path)
+        if p.name != name:
+            continue
+        prefix, _, text = p.parent.name.partition("~")
+        if prefix != "lr" or text not in by_text:
+            raise ValueError(f"{path}: its folder is not a run folder of a rate in {sorted(by_text)} (lr~<rate>)")
+        runs.append((by_text[text], str(p.parent)))
+    return runs
 
 
 def finetune_runtime(config: dict) -> int:
     """Minutes for one job of rule finetune: resources.finetune_runtime per learning rate it trains."""
-    return int(config["resources"]["finetune_runtime"]) * len(config["training"]["learning_rates"])
+    return int(config["resources"]["finetune_runtime"]) * rates_per_job(config)
 
 
 def run_dirs(config: dict) -> list[str]:
