@@ -65,7 +65,8 @@ def _inputs(workdir: Path, config: dict) -> dict[str, str]:
     if not all((workdir / t).exists() for t in targets):
         print("building the inputs with snakemake ...", flush=True)
         subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
-                        str(workdir), "--cores", "2", "--quiet", *targets], check=True)
+                        str(workdir), "--cores", "2", *targets, "--configfile", str(REPO / "config" / "config.yaml"),
+                        "--quiet", "all"], check=True)
     return {k: str(workdir / v) for k, v in paths.items()}
 
 
