@@ -109,8 +109,8 @@ ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 PRETRAINED = "results/model/pretrained"
 
 # Runs: a grid cell's folder is RUNS/{cell}, {cell} being CELL or GROUP_CELL
-# formatted (matched by CELL_RE); each learning rate trains into its RUN_DIR (all of a cell's rates in one
-# job of rule finetune: `lr_dirs`).
+# formatted (matched by CELL_RE); each learning rate trains into its RUN_DIR (one job of rule finetune
+# trains every rate of a cell, or one rate: training.sweep_jobs, userdp.training.targets.lr_dirs).
 RUNS = "results/runs/{dataset}"
 CELL = _SETTING + "/" + _SEED
 GROUP_CELL = _SETTING + "/" + _GROUP + "/" + _SEED
