@@ -8,7 +8,9 @@ and no mechanism (each rate draws its own samples and noise from its own seeds, 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pandas as pd
 import pytest
@@ -19,7 +21,7 @@ from test_train_integration import CONFIG, build_inputs
 from userdp.config import validate_config
 from userdp.io import read_json
 from userdp.layout import PRETRAINED, fmt_num, iter_cells
-from userdp.training import finetune_job
+from userdp.training import engine, finetune_job
 from userdp.training.models import build_model, load_tokenizer, special_ids, save_model_atomic
 from userdp.training.targets import lr_dirs, rates_per_job, sweep_outputs, sweep_runs
 
@@ -99,3 +101,33 @@ def test_the_outputs_of_one_finetune_job_are_every_rates_run_folder_or_one_per_r
     assert sweep_runs(one, "ledger.json", rates) == [(3e-4, "results/runs/d/method~els/seed~0/lr~0.0003")]
     with pytest.raises(ValueError, match="lr~0.5"):
         sweep_runs(["results/runs/d/x/lr~0.5/eval.json"], "eval.json", rates)
+
+
+def test_a_sigterm_while_a_rate_finishes_stops_the_job_before_the_next_rate(monkeypatch):
+    """SLURM's preemption signal in the last step of a run: the run completes, the next rate never starts (exit
+    143: the rerun restores the finished run and trains the rest) instead of training on until SIGKILL."""
+    caught = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: caught.append(1))  # the test process must survive
+    started = []
+
+    def fake_launch(job, processes):  # a run that completes although SIGTERM arrived while it trained
+        started.append(job.learning_rate)
+        with engine.StopOnSigterm(enabled=True) as run_stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert run_stop.requested
+
+    monkeypatch.setattr(finetune_job, "launch", fake_launch)
+    jobs = [finetune_job.FinetuneJob(config={}, plan="p", tokens="t", tokenizer="k", model="m", run_dir=f"r{lr}",
+                                     learning_rate=lr, dataset="d", method="els", eps="1", budget="8", seed=0)
+            for lr in RATES]
+    try:
+        with pytest.raises(SystemExit) as exc:
+            finetune_job.launch_sweep(jobs, processes=0)
+        assert exc.value.code == 128 + signal.SIGTERM
+        assert started == [RATES[0]]  # the second rate never started
+        # a single run keeps the engine's own behaviour (a run that completed ends the job normally)
+        started.clear()
+        finetune_job.launch_sweep(jobs[:1], processes=0)
+        assert started == [RATES[0]] and caught  # the signal reached the process's handler, nothing stopped
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -512,11 +512,14 @@ class _Progress:
                  self.total, run.rows[-1]["loss"], ex_rate, eta, step_log.KEY)
 
 
-class _StopOnSigterm:
+class StopOnSigterm:
     """While training, SIGTERM (SLURM's preemption and time-limit signal, snakemake's stop) asks the loop to stop
     after the step in progress, save the checkpoint atomically and exit with 128 + SIGTERM, so that the
     resubmitted job resumes there instead of from the last periodic checkpoint. Only in the main thread of a
-    single-process run (data-parallel ranks stop at different steps; they keep the previous handler)."""
+    single-process run (data-parallel ranks stop at different steps; they keep the previous handler).
+    A previous handler that is a Python function is called too, so that a caller running several runs in
+    turn (finetune_job.launch_sweep, which holds one of these between runs) learns of a SIGTERM that arrived
+    in the last step of a run that then completed."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
@@ -525,8 +528,10 @@ class _StopOnSigterm:
 
     def _handler(self, signum: int, frame: object) -> None:
         self.requested = True
+        if callable(self._previous):
+            self._previous(signum, frame)
 
-    def __enter__(self) -> "_StopOnSigterm":
+    def __enter__(self) -> "StopOnSigterm":
         if self.enabled:
             self._previous = signal.signal(signal.SIGTERM, self._handler)
         return self
@@ -620,7 +625,7 @@ def train(
              device, dist.world_size if dist is not None else 1)
     unchecked = True  # the first update at a learning rate > 0 in this invocation must move a parameter
     progress, done_now, saved_at = _Progress(mech.steps, settings.log_every_s, settings.debug_step_log), 0, run.step
-    with _StopOnSigterm(enabled=dist is None) as stop:
+    with StopOnSigterm(enabled=dist is None) as stop:
         while run.step < mech.steps and not stop.requested and (max_steps is None or done_now < max_steps):
             t0 = time.monotonic()
             observed: dict[str, Any] | None = None if observe is None else {}

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -133,12 +134,21 @@ def launch_sweep(jobs: list[FinetuneJob], processes: int) -> None:
     One process start-up (imports, the tokenizer's and transformers' code) serves every rate; each run still
     loads its own inputs and seeds itself from its own learning rate (`engine.run_seeds`), so a run's model,
     ledger and log are those it would have as the only rate (tests/test_train_sweep.py). A run that finished
-    before (its finished/ record) is restored instead of trained. The first failure stops the job.
+    before (its finished/ record) is restored instead of trained. The first failure stops the job, and so does
+    a SIGTERM (SLURM's preemption and time-limit signal): a run in progress saves its checkpoint and exits 143
+    (engine), and one that arrives while a run completes, or between runs, exits 143 before the next run
+    starts (in one process; under torchrun the workers handle it).
     """
-    for i, job in enumerate(jobs, 1):
-        if len(jobs) > 1:
-            log.info("learning rate %d/%d: %s -> %s", i, len(jobs), job.learning_rate, job.run_dir)
-        launch(job, processes)
+    # Records a SIGTERM between runs; while a run trains, the engine's handler takes over and passes it on.
+    with engine.StopOnSigterm(enabled=processes <= 1 and len(jobs) > 1) as stop:
+        for i, job in enumerate(jobs, 1):
+            if stop.requested:
+                log.warning("SIGTERM: stopping before learning rate %d/%d (%s); the finished runs are recorded, "
+                            "the rerun restores them and trains the rest", i, len(jobs), job.learning_rate)
+                raise SystemExit(128 + signal.SIGTERM)
+            if len(jobs) > 1:
+                log.info("learning rate %d/%d: %s -> %s", i, len(jobs), job.learning_rate, job.run_dir)
+            launch(job, processes)
 
 
 def _worker_logging(log_path: str | None, rank: int) -> None:
