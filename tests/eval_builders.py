@@ -3,6 +3,7 @@
 - `tiny_gpt2`: a real GPT-2 built from a config, saved with save_pretrained.
 - `tokens_table`: a tokens.parquet in the data stage's schema.
 - `fake_summary` / `fake_curves`: realistic summary tables for the figures.
+- `plan_record`: a complete plan (a privacy.spec.RunSpec record) for cells whose plan is only read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ import pyarrow.parquet as pq
 
 VOCAB = 61
 BOS = 1
+
+
+def plan_record(method: str, epsilon: float, *, group_size: int = 4, steps: int = 5, delta: float = 1e-5,
+                noise_multiplier: float | None = None, **fields) -> dict:
+    """A complete, valid plan record of a cell (non-private when epsilon is inf), with `fields` on top."""
+    from userdp.privacy.spec import RunSpec
+
+    private = not math.isinf(float(epsilon))
+    sigma = (1.5 if private else 0.0) if noise_multiplier is None else float(noise_multiplier)
+    spec = RunSpec(dataset="toy", method=method, epsilon=float(epsilon), delta=delta, group_size=int(group_size),
+                   sampling_rate=0.1, steps=int(steps), expected_batch=4.0, noise_multiplier=sigma,
+                   clip_norm=1.0 if sigma > 0 else None, clipping="flat" if sigma > 0 else None)
+    return spec.replace(**fields).to_record()
 
 
 def tiny_gpt2(path: str | Path | None = None, seed: int = 0, n_positions: int = 32):

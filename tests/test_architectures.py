@@ -89,7 +89,7 @@ def test_clipped_sums_match_bruteforce(arch, lora, level):
     for (name, p), w in zip(params, want):
         # absolute tolerance on the gradient's scale: some coordinates are zero up to rounding (OPT's key bias)
         torch.testing.assert_close(p.grad, w, rtol=rtol, atol=rtol * scale, msg=name)
-    torch.testing.assert_close(stats["unit_norms"].double(), norms, rtol=rtol, atol=0.0)
+    torch.testing.assert_close(stats.unit_norms.double(), norms, rtol=rtol, atol=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ def audited(tmp_path_factory):
                          steps=cell.steps, counts=counts, privacy=audit_targets.plan_privacy(cfg, cell.method, eps),
                          reference_epsilon=audit_targets.reference_epsilon(cfg, cell.method, eps))
         plan_path = root / f"plan_{cell.method}_{eps}.json"
-        write_json(plan_path, plan)
+        plan.write(plan_path)
         run_dir = root / f"run_{cell.method}_{eps}"
         job = finetune_job.FinetuneJob(
             config=cfg, plan=str(plan_path), tokens=str(audit_tokens), tokenizer=str(root / "tokenizer"),

@@ -33,7 +33,7 @@ def test_two_calls_add_up_and_frozen_params_untouched():
     cg = ClippedGradients(model, 0.05)
     s1 = cg.accumulate(*_split(b, first))
     s2 = cg.accumulate(*_split(b, second))
-    assert (s1["n_units"], s2["n_units"], s1["n_rows"], s2["n_rows"]) == (2, 1, 4, 1)
+    assert (s1.n_units, s2.n_units, s1.n_rows, s2.n_rows) == (2, 1, 4, 1)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(trainable) == len(want)
     scale = max(float(w.abs().max()) for w in want)
@@ -67,10 +67,10 @@ def test_stats_loss_sum_and_norms():
         for r in range(ids.shape[0]):
             if units[r] >= 0:
                 want += float(row_loss(model, ids[r, : int(mask[r].sum())]))
-    assert stats["loss_sum"] == pytest.approx(want, rel=1e-9)
-    assert stats["n_rows"] == 5 and stats["n_units"] == 3
-    assert stats["unit_norms"].shape == (3,)
-    assert stats["clipped_fraction"] == 0.0
+    assert stats.loss_sum == pytest.approx(want, rel=1e-9)
+    assert stats.n_rows == 5 and stats.n_units == 3
+    assert stats.unit_norms.shape == (3,)
+    assert stats.clipped_fraction == 0.0
 
 
 def test_row_losses_definition():
@@ -91,7 +91,7 @@ def test_empty_batch_creates_zero_grads():
     model = tiny_gpt2()
     ids, mask, units, w = batch("els")
     stats = ClippedGradients(model, 1.0).accumulate(ids, mask, torch.full_like(units, -1), w)
-    assert stats["n_units"] == 0 and stats["loss_sum"] == 0.0
+    assert stats.n_units == 0 and stats.loss_sum == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
@@ -171,7 +171,7 @@ def test_bf16_autocast_close_to_float32(make, level):
     model = fresh(model32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         stats16 = ClippedGradients(model, 0.5).accumulate(*b)
-    torch.testing.assert_close(stats16["unit_norms"].float(), stats32["unit_norms"], rtol=5e-2, atol=0)
+    torch.testing.assert_close(stats16.unit_norms.float(), stats32.unit_norms, rtol=5e-2, atol=0)
     num = sum(float((p.grad - q.grad).square().sum()) for p, q in zip(model.parameters(), ref.parameters()))
     den = sum(float(q.grad.square().sum()) for q in ref.parameters())
     assert num**0.5 <= 5e-2 * den**0.5

@@ -63,14 +63,14 @@ def test_clipped_sum_matches_bruteforce(name, level, method, clip, normalize, mo
     stats = ClippedGradients(model, clip, normalize, norm_method=method).accumulate(*batch(level))
     params = [p for p in model.parameters() if p.requires_grad]
     _assert_close(params, want)
-    torch.testing.assert_close(stats["unit_norms"], want_norms, rtol=RTOL, atol=0)
+    torch.testing.assert_close(stats.unit_norms, want_norms, rtol=RTOL, atol=0)
     # the small clip norm clips every unit, the large one none
     expect_clipped = float((want_norms > clip).double().mean())
-    assert stats["clipped_fraction"] == pytest.approx(expect_clipped)
+    assert stats.clipped_fraction == pytest.approx(expect_clipped)
     if not normalize:
         assert expect_clipped in (0.0, 1.0)
-    assert stats["n_units"] == len(unit_grads)
-    assert stats["n_rows"] == (6 if level == "uls-regular" else 5)
+    assert stats.n_units == len(unit_grads)
+    assert stats.n_rows == (6 if level == "uls-regular" else 5)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -80,8 +80,8 @@ def test_nonprivate_is_plain_weighted_gradient(name, level):
     model = fresh(_model(name))
     stats = ClippedGradients(model, None).accumulate(*batch(level))
     _assert_close([p for p in model.parameters() if p.requires_grad], want)
-    assert stats["unit_norms"].numel() == 0
-    assert stats["clipped_fraction"] == 0.0
+    assert stats.unit_norms.numel() == 0
+    assert stats.clipped_fraction == 0.0
 
 
 def test_tied_embedding_cross_term_matters():
@@ -95,8 +95,8 @@ def test_tied_embedding_cross_term_matters():
     assert untied.lm_head.weight is not untied.transformer.wte.weight
     torch.testing.assert_close(untied.lm_head.weight, tied.transformer.wte.weight)
     _, want = clipped_sum(per_unit_grads(fresh(tied), *batch("els")), 1.0, False)
-    n_tied = ClippedGradients(tied, 1.0).accumulate(*batch("els"))["unit_norms"]
-    n_untied = ClippedGradients(untied, 1.0).accumulate(*batch("els"))["unit_norms"]
+    n_tied = ClippedGradients(tied, 1.0).accumulate(*batch("els")).unit_norms
+    n_untied = ClippedGradients(untied, 1.0).accumulate(*batch("els")).unit_norms
     torch.testing.assert_close(n_tied, want, rtol=RTOL, atol=0)
     # every unit differs by far more than the test tolerance
     assert (n_tied - n_untied).abs().min() > 10 * RTOL * n_tied.max()

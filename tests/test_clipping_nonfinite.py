@@ -128,13 +128,13 @@ def test_nonfinite_unit_contributes_zero(name, level, kind):
     cases += [(m, 0.3, True, True) for m in ("ghost", "instantiate")]
     for method, clip, normalize, bf16 in cases:
         stats, got = _poisoned_sum(name, level, kind, method, clip, normalize, bf16)
-        order = stats["unit_ids"].tolist()
-        norms = stats["unit_norms"]
+        order = stats.unit_ids.tolist()
+        norms = stats.unit_norms
         assert not math.isfinite(float(norms[order.index(bad_unit)]))  # the hooks did poison the unit
         assert torch.isfinite(norms[[u != bad_unit for u in order]]).all()
-        assert stats["nonfinite_units"] == 1
+        assert stats.nonfinite_units == 1
         # the dropped unit's rows are left out of the loss statistics
-        assert stats["n_rows"] == int((units >= 0).sum()) - n_bad_rows and math.isfinite(stats["loss_sum"])
+        assert stats.n_rows == int((units >= 0).sum()) - n_bad_rows and math.isfinite(stats.loss_sum)
         want, _ = clipped_sum(others, clip, normalize)
         if not bf16:
             _assert_close(got, want, rtol=1e-4)
@@ -166,7 +166,7 @@ def test_one_token_example_under_normalized_clipping():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     stats = ClippedGradients(m, clip, normalize=True, norm_method=method).accumulate(
                         ids, mask, units, w)
-                assert stats["nonfinite_units"] == 0 and float(stats["unit_norms"][3]) == 0.0
+                assert stats.nonfinite_units == 0 and float(stats.unit_norms[3]) == 0.0
                 got = _grads(m)
                 if bf16:
                     assert all(torch.isfinite(g).all() for g in got) and _rel_l2(got, want) <= 5e-2

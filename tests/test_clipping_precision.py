@@ -29,7 +29,7 @@ def _single_unit_norms(model, level, seed, method, normalize):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             stats = ClippedGradients(model, C, normalize=normalize, norm_method=method).accumulate(
                 ids, mask, only, w * sel)
-        assert float(stats["unit_norms"].min()) > 10 * C  # the unit really was clipped
+        assert float(stats.unit_norms.min()) > 10 * C  # the unit really was clipped
         total = sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None)
         out.append(total ** 0.5)
     return out

@@ -5,6 +5,7 @@ import math
 import pandas as pd
 import pytest
 
+from eval_builders import plan_record
 from userdp.config import validate_config
 from userdp.layout import fmt_num, iter_cells
 from userdp.evaluation.aggregate import build_summary, flatten, summary_frame, write_summary
@@ -31,10 +32,8 @@ def small_config():
 def build_cells(root, cfg):
     for i, cell in enumerate(iter_cells(cfg)):
         g = cell.group_size or (4 if cell.method == "els" else 8)
-        write_json(root / cell.plan_path, {"method": cell.method, "epsilon": cell.epsilon, "group_size": g,
-                                           "noise_multiplier": 0.0 if math.isinf(cell.epsilon) else 1.5,
-                                           "group_size_rule": "sweep" if cell.group_size else "median",
-                                           "delta": 1e-5})
+        write_json(root / cell.plan_path, plan_record(cell.method, cell.epsilon, group_size=g,
+                                                      group_size_rule="sweep" if cell.group_size else "median"))
         run = root / cell.run_dir
         write_json(run / "ledger.json", {"method": cell.method, "steps_completed": 5,
                                          "versions": {"torch": "2.13.0"}, "epsilon": cell.epsilon})

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from eval_builders import tiny_gpt2, tokens_table
+from eval_builders import plan_record, tiny_gpt2, tokens_table
 from userdp.config import validate_config
 from userdp.layout import fmt_num, iter_cells
 from userdp.io import read_json, write_json
@@ -41,8 +41,8 @@ def build_inputs(root: Path) -> dict:
     tiny_gpt2(root / "results/model/pretrained", seed=0)
     for i, cell in enumerate(iter_cells(cfg)):
         g = cell.group_size or (3 if cell.method == "els" else 4)
-        write_json(root / cell.plan_path, {"method": cell.method, "epsilon": cell.epsilon, "delta": 1e-3,
-                                           "group_size": g, "noise_multiplier": 1.0, "steps": cell.steps})
+        write_json(root / cell.plan_path, plan_record(cell.method, cell.epsilon, delta=1e-3, group_size=g,
+                                                      noise_multiplier=1.0, steps=cell.steps))
         for j, lr in enumerate(cfg["training"]["learning_rates"]):
             run = root / cell.run_dir / f"lr~{fmt_num(lr)}"
             tiny_gpt2(run / "model", seed=100 + 10 * i + j)

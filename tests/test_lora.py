@@ -23,6 +23,7 @@ from userdp.config import validate_config
 from userdp.errors import ConfigError
 from userdp.training import engine, models
 from userdp.training.clipping import ClippedGradients
+from userdp.training.gradients import MicroBatchStats
 from userdp.training.settings import TrainSettings
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}
@@ -66,7 +67,7 @@ def test_lora_clipped_sum_matches_bruteforce(arch, level, normalize):
     assert len(params) == len(want)
     for p, w in zip(params, want):
         torch.testing.assert_close(p.grad, w, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(stats["unit_norms"].double(), norms, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(stats.unit_norms.double(), norms, rtol=1e-9, atol=1e-12)
     assert all(p.grad is None for p in got.parameters() if not p.requires_grad)  # nothing on the frozen base
     assert float(norms.min()) > 0.05  # every unit is clipped: the test exercises the clip factors
 
@@ -170,9 +171,8 @@ def test_an_update_that_moves_nothing_fails_loudly(pool, tmp_path):
         def accumulate(self, input_ids, attention_mask, unit_ids, row_weights):
             for p in self.params:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-            return {"loss_sum": 0.0, "n_rows": int((unit_ids >= 0).sum()),
-                    "n_units": int(torch.unique(unit_ids[unit_ids >= 0]).numel()), "unit_norms": None,
-                    "clipped_fraction": 0.0}
+            return MicroBatchStats(loss_sum=0.0, n_rows=int((unit_ids >= 0).sum()),
+                                   n_units=int(torch.unique(unit_ids[unit_ids >= 0]).numel()))
 
     model = models.apply_lora(_base(), LORA, seed=0)
     plan = plan_for(pool, "uls", expected=3.0, steps=4, sigma=0.0, clip=None)
@@ -253,7 +253,7 @@ def test_gradient_checkpointing_keeps_the_clipped_sums(arch, lora):
     stats = ClippedGradients(got, 0.05, False).accumulate(*batch("uls"))
     for p, w in zip([p for p in got.parameters() if p.requires_grad], want):
         torch.testing.assert_close(p.grad, w, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(stats["unit_norms"].double(), norms, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(stats.unit_norms.double(), norms, rtol=1e-9, atol=1e-12)
 
 
 def test_reentrant_checkpointing_is_refused():

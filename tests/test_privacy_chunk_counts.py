@@ -63,16 +63,16 @@ def test_plan_from_rows_matches_the_pool(tmp_path, method):
     plan = plan_cell(dataset="d", method=method, epsilon=8.0, compute_budget=K, steps=T, counts=rows, privacy=PRIVACY)
     old = plan_cell(dataset="d", method=method, epsilon=8.0, compute_budget=K, steps=T, counts=examples,
                     privacy=PRIVACY)
-    pool = load_train_pool(tokens, plan["group_size"], seed=0)
+    pool = load_train_pool(tokens, plan.group_size, seed=0)
     # N_G, mbar_G and the derived batch are those of the pool training will build.
-    assert plan["n_train_examples_bounded"] == pool.n_examples
-    assert plan["n_train_examples"] == int(rows.sum())
-    assert plan["mean_bounded_contribution"] == pytest.approx(pool.n_examples / pool.n_users)
+    assert plan.n_train_examples_bounded == pool.n_examples
+    assert plan.n_train_examples == int(rows.sum())
+    assert plan.mean_bounded_contribution == pytest.approx(pool.n_examples / pool.n_users)
     if method == "els":
-        assert plan["sampling_rate"] == pytest.approx(K / T / pool.n_examples)
-        assert plan["group_size"] == int(np.ceil(np.median(rows)))
-        assert plan["group_size"] != old["group_size"]  # the median moved with chunking
+        assert plan.sampling_rate == pytest.approx(K / T / pool.n_examples)
+        assert plan.group_size == int(np.ceil(np.median(rows)))
+        assert plan.group_size != old.group_size  # the median moved with chunking
     else:
-        assert plan["expected_batch"] == pytest.approx(K / (T * pool.n_examples / pool.n_users))
-        assert plan["expected_batch"] != pytest.approx(old["expected_batch"])
-    assert plan["expected_compute"] == pytest.approx(K)
+        assert plan.expected_batch == pytest.approx(K / (T * pool.n_examples / pool.n_users))
+        assert plan.expected_batch != pytest.approx(old.expected_batch)
+    assert plan.expected_compute == pytest.approx(K)

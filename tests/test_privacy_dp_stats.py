@@ -17,7 +17,7 @@ from userdp.privacy import contribution_stats as CS
 from userdp.privacy.contributions import ExactCounts
 from userdp.privacy.group_size import snr_group_size
 from userdp.privacy.planner import plan_cell
-from userdp.training.ledger import build_ledger
+from userdp.training.ledger import RunFacts, build_ledger
 
 from privacy_helpers import calibrate_method, epsilon_of, mech
 
@@ -163,9 +163,9 @@ def test_fixed_events_that_spend_the_target_fail():
 
 
 def ledger_of(plan, steps):
-    return build_ledger(plan, steps_completed=steps, expected_batch=plan["expected_batch"], n_train_users=1,
-                        n_pool_examples=1, examples_processed=1, users_processed=1, learning_rate=1e-3,
-                        training={}, seeds={"run": 0}, resumed_at=[])
+    return build_ledger(plan, RunFacts(steps_completed=steps, expected_batch=plan.expected_batch, n_train_users=1,
+                                 n_pool_examples=1, examples_processed=1, users_processed=1,
+                                 learning_rate=1e-3, training={}, seeds={"run": 0}))
 
 
 @pytest.mark.parametrize("method", ["els", "uls"])
@@ -175,42 +175,42 @@ def test_plan_and_ledger_compose_the_release(counts, method):
     plan = plan_cell(dataset="d", method=method, epsilon=eps, compute_budget=K, steps=T, counts=counts,
                      privacy=STATS_ON, stats=hist)
     public = plan_cell(dataset="d", method=method, epsilon=eps, compute_budget=K, steps=T, counts=counts,
-                       privacy=PRIVACY, group_size=plan["group_size"])
-    rec = plan["contribution_stats"]
+                       privacy=PRIVACY, group_size=plan.group_size)
+    rec = plan.contribution_stats
     assert rec["private"] and rec["epsilon"] == 0.2 and rec["file"] == "contributions_dp.json"
-    assert plan["accountant"].endswith("+" + CS.ACCOUNTANT_SUFFIX) and "private" in plan["contribution_statistics"]
-    assert plan["noise_multiplier"] > public["noise_multiplier"]  # same G, q: the release costs noise
-    assert rec["epsilon_training_only"] < plan["epsilon_achieved"] <= eps
+    assert plan.accountant.endswith("+" + CS.ACCOUNTANT_SUFFIX) and "private" in plan.contribution_statistics
+    assert plan.noise_multiplier > public.noise_multiplier  # same G, q: the release costs noise
+    assert rec["epsilon_training_only"] < plan.epsilon_achieved <= eps
     # N_G, mbar_G come from the release (only N is read from the counts): no exact sum in the plan, and the
     # sampling rate is the budget's on the release's sizes (docs/privacy.md, "What is treated as public").
-    G = plan["group_size"]
-    assert plan["planning_sizes"] == "DP histogram" and plan["n_train_examples"] is None
-    assert plan["n_train_users"] == counts.size
-    assert plan["mean_bounded_contribution"] == hist.mean_bounded(G)
-    assert plan["n_train_examples_bounded"] == pytest.approx(counts.size * hist.mean_bounded(G), rel=1e-12)
+    G = plan.group_size
+    assert plan.planning_sizes == "DP histogram" and plan.n_train_examples is None
+    assert plan.n_train_users == counts.size
+    assert plan.mean_bounded_contribution == hist.mean_bounded(G)
+    assert plan.n_train_examples_bounded == pytest.approx(counts.size * hist.mean_bounded(G), rel=1e-12)
     if G > 1:  # (with G = 1, N_G = N, the public size)
-        assert plan["n_train_examples_bounded"] != int(np.minimum(counts, G).sum())
+        assert plan.n_train_examples_bounded != int(np.minimum(counts, G).sum())
     if method == "els":
-        assert plan["sampling_rate"] == pytest.approx(K / T / (counts.size * hist.mean_bounded(G)), rel=1e-12)
+        assert plan.sampling_rate == pytest.approx(K / T / (counts.size * hist.mean_bounded(G)), rel=1e-12)
     else:
-        assert plan["sampling_rate"] == pytest.approx(K / (T * hist.mean_bounded(G)) / counts.size, rel=1e-12)
+        assert plan.sampling_rate == pytest.approx(K / (T * hist.mean_bounded(G)) / counts.size, rel=1e-12)
     # Invariant 6: epsilon recomputed from the ledger equals the planned one, and meets the target.
     ledger = ledger_of(plan, T)
-    assert ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9)
+    assert ledger["epsilon"] == pytest.approx(plan.epsilon_achieved, rel=1e-9)
     assert ledger["contribution_stats"]["epsilon"] == 0.2
-    sigma_lo = plan["noise_multiplier"] / (1 + 2e-3)
-    assert epsilon_of(method, sigma_lo, plan["sampling_rate"], T, plan["delta"], plan["group_size"],
+    sigma_lo = plan.noise_multiplier / (1 + 2e-3)
+    assert epsilon_of(method, sigma_lo, plan.sampling_rate, T, plan.delta, plan.group_size,
                              extra_events=[hist.dp_event()]) > eps
     # A run stopped before any step has still spent the release.
-    assert ledger_of(plan, 0)["epsilon"] == pytest.approx(A.fixed_events_epsilon([hist.dp_event()], plan["delta"]))
+    assert ledger_of(plan, 0)["epsilon"] == pytest.approx(A.fixed_events_epsilon([hist.dp_event()], plan.delta))
     if method == "els":
-        assert plan["group_size"] == hist.median_group_size() and "DP histogram" in plan["group_size_rule"]
+        assert plan.group_size == hist.median_group_size() and "DP histogram" in plan.group_size_rule
 
 
 def test_nonprivate_cell_with_stats(counts):
     plan = plan_cell(dataset="d", method="uls", epsilon=math.inf, compute_budget=6000, steps=40, counts=counts,
                      privacy=STATS_ON, stats=noisy(counts), reference_epsilon=4.0)
-    assert plan["noise_multiplier"] == 0 and math.isinf(plan["epsilon_achieved"])
+    assert plan.noise_multiplier == 0 and math.isinf(plan.epsilon_achieved)
     assert math.isinf(ledger_of(plan, 40)["epsilon"])
 
 
@@ -221,13 +221,12 @@ def test_default_off_leaves_the_plan_unchanged(counts):
                       privacy=PRIVACY)
         b = plan_cell(dataset="d", method=method, epsilon=4.0, compute_budget=6000, steps=40, counts=counts,
                       privacy=off)
-        for p in (a, b):
-            p["calibration"].pop("seconds")
-        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-        assert "contribution_stats" not in b and b["contribution_statistics"] == "treated as public (docs/privacy.md)"
-        assert "+" not in b["accountant"]
+        assert json.dumps(a.without_timing(), sort_keys=True) == json.dumps(b.without_timing(), sort_keys=True)
+        assert "contribution_stats" not in b.to_record()
+        assert b.contribution_statistics == "treated as public (docs/privacy.md)"
+        assert "+" not in b.accountant
         led = ledger_of(b, 40)
-        assert "contribution_stats" not in led and led["epsilon"] == pytest.approx(b["epsilon_achieved"], rel=1e-9)
+        assert "contribution_stats" not in led and led["epsilon"] == pytest.approx(b.epsilon_achieved, rel=1e-9)
 
 
 def test_errors_name_the_cell_and_key(counts):

@@ -14,7 +14,8 @@ from userdp.errors import PrivacyError
 from userdp.privacy import accounting, mechanism
 from userdp.privacy.contribution_stats import NoisyHistogram
 from userdp.privacy.contributions import ExactCounts
-from userdp.training.ledger import build_ledger, guarantee_epsilon, run_event
+from userdp.privacy.spec import RunSpec
+from userdp.training.ledger import RunFacts, build_ledger, guarantee_epsilon, run_event
 
 
 def test_sampling_for_budget_spends_the_budget():
@@ -99,19 +100,18 @@ def test_method_names_are_parsed_once():
         mechanism.GroupPrivacyELS(0.01, 10, 2).epsilon(1.0, 1e-6, extra_events=[dp_accounting.LaplaceDpEvent(1.0)])
 
 
-def _plan(method: str, sigma: float = 1.2) -> dict:
-    return {"method": method, "sampling_rate": 0.05, "steps": 30, "group_size": 4, "noise_multiplier": sigma,
-            "delta": 1e-5, "clip_norm": 1.0, "clipping": "flat", "epsilon": 3.0, "expected_batch": 5.0,
-            "compute_budget": 150}
+def _plan(method: str, sigma: float = 1.2) -> RunSpec:
+    return RunSpec(dataset="d", method=method, sampling_rate=0.05, steps=30, group_size=4, noise_multiplier=sigma,
+                   delta=1e-5, clip_norm=1.0, clipping="flat", epsilon=3.0, expected_batch=5.0, compute_budget=150)
 
 
 @pytest.mark.parametrize("method", ["els", "uls"])
 def test_the_ledger_records_the_event_that_ran_and_its_epsilon(method):
     plan = _plan(method)
-    ledger = build_ledger(plan, steps_completed=12, expected_batch=5.0, n_train_users=10, n_pool_examples=40,
-                          examples_processed=60, users_processed=12, learning_rate=1e-3, training={},
-                          seeds={"run": 0}, resumed_at=[])
-    mech = mechanism.from_record(plan)
+    ledger = build_ledger(plan, RunFacts(steps_completed=12, expected_batch=5.0, n_train_users=10,
+                                 n_pool_examples=40, examples_processed=60, users_processed=12,
+                                 learning_rate=1e-3, training={}, seeds={"run": 0}))
+    mech = plan.mechanism
     assert run_event(ledger) == mech.dp_event(1.2, steps=12)
     assert ledger["epsilon"] == mech.epsilon(1.2, 1e-5, steps=12)
     # A ledger written before events were recorded is read from its mechanism fields.
@@ -133,11 +133,11 @@ def test_lower_median_and_candidates_share_one_quantile_rule():
 def test_learning_rate_selection_composes_the_dp_statistics_release_once():
     from userdp.evaluation.select import with_selection_epsilon
 
-    plan = dict(_plan("uls"), contribution_stats={"private": True, "dp_event": {"type": "LaplaceDpEvent",
-                                                                                 "noise_multiplier": 5.0}})
-    ledger = build_ledger(plan, steps_completed=30, expected_batch=5.0, n_train_users=10, n_pool_examples=40,
-                          examples_processed=150, users_processed=30, learning_rate=1e-3, training={},
-                          seeds={"run": 0}, resumed_at=[])
+    plan = _plan("uls").replace(contribution_stats={"private": True, "dp_event": {"type": "LaplaceDpEvent",
+                                                                                  "noise_multiplier": 5.0}})
+    ledger = build_ledger(plan, RunFacts(steps_completed=30, expected_batch=5.0, n_train_users=10,
+                                 n_pool_examples=40, examples_processed=150, users_processed=30,
+                                 learning_rate=1e-3, training={}, seeds={"run": 0}))
     out = with_selection_epsilon(ledger, [ledger, ledger], ["a", "b"])
     run = mechanism.ULS(0.05, 30, 4).dp_event(1.2)
     once = accounting.epsilon(mechanism.compose([dp_accounting.LaplaceDpEvent(5.0), run, run]), 1e-5)

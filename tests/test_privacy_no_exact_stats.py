@@ -114,10 +114,11 @@ def test_no_artifact_or_log_holds_an_exact_statistic(run):
 
 def test_summary_rows_hold_no_exact_statistic(run, tmp_path):
     from userdp.evaluation.aggregate import cell_row
+    from userdp.privacy.spec import RunSpec
 
     _, targets = _targets_of(run)
     for cell in CELLS:
-        plan = json.loads((run / cell.plan_path).read_text())
+        plan = RunSpec.load(run / cell.plan_path)
         ledger = json.loads((run / cell.lr_dir(LR) / layout.LEDGER).read_text())
         train_log = pq.read_table(run / cell.lr_dir(LR) / layout.TRAIN_LOG).to_pandas()
         row = cell_row(cell, plan, ledger, {"learning_rate": LR}, train_log)
@@ -138,21 +139,21 @@ def test_plans_and_ledgers_use_only_the_release_and_n(run):
     for cell in CELLS:
         plan = json.loads((run / cell.plan_path).read_text())
         ledger = json.loads((run / cell.lr_dir(LR) / layout.LEDGER).read_text())
-        G = plan["group_size"]
-        assert plan["planning_sizes"] == "DP histogram" and plan["n_train_examples"] is None
-        assert plan["n_train_users"] == counts.size
-        assert plan["mean_bounded_contribution"] == pytest.approx(hist.mean_bounded(G), rel=1e-12)
+        G = plan.group_size
+        assert plan.planning_sizes == "DP histogram" and plan.n_train_examples is None
+        assert plan.n_train_users == counts.size
+        assert plan.mean_bounded_contribution == pytest.approx(hist.mean_bounded(G), rel=1e-12)
         # Training divided by the plan's public expected batch, and wrote no exact pool size.
-        assert ledger["expected_batch"] == pytest.approx(plan["expected_batch"], rel=1e-12)
+        assert ledger["expected_batch"] == pytest.approx(plan.expected_batch, rel=1e-12)
         assert ledger["n_pool_examples"] is None and ledger["n_examples_before_bounding"] is None
         # examples processed / (q T) would give back N_G: the realised compute is withheld too
         assert ledger["examples_processed"] is None and ledger["users_processed"] is None
         assert ledger["compute_ratio"] is None
-        assert ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9)
+        assert ledger["epsilon"] == pytest.approx(plan.epsilon_achieved, rel=1e-9)
         if cell.method == "uls":
-            assert plan["group_size_candidates"] and all(
+            assert plan.group_size_candidates and all(
                 r["mean_bounded_contribution"] == pytest.approx(hist.mean_bounded(r["group_size"]), rel=1e-12)
-                for r in plan["group_size_candidates"])
+                for r in plan.group_size_candidates)
     contributions = json.loads((run / layout.CONTRIBUTIONS.format(dataset="tiny")).read_text())
     assert contributions["treated_as_public"] is False and "median_train" not in contributions
 
@@ -180,6 +181,6 @@ def test_the_scan_finds_the_statistics_of_the_default_mode(run, tmp_path):
     hits = leaks_in(file_values(_dump(tmp_path / "plan.json", plan)), targets)
     assert {"N_G, G=32", "ELS q from exact N_G, G=32, K=64"} <= {h.split(" = ")[0] for h in hits}
     log = tmp_path / "x.log"
-    log.write_text(f"pool={int(np.minimum(counts, 32).sum())} examples q={plan['sampling_rate']:.6g}\n")
+    log.write_text(f"pool={int(np.minimum(counts, 32).sum())} examples q={plan.sampling_rate:.6g}\n")
     names = {h.split(" = ")[0] for h in leaks_in(file_values(log), targets)}
     assert {"N_G, G=32", "ELS q from exact N_G, G=32, K=64"} <= names  # the integer, and the float at 6 digits

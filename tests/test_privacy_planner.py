@@ -29,47 +29,47 @@ def counts():
 @pytest.mark.parametrize("method", ["els", "uls"])
 def test_expected_compute_equals_budget(counts, method):
     plan = plan_cell(dataset="d", method=method, epsilon=4.0, compute_budget=6000, steps=40, counts=counts, privacy=PRIVACY)
-    assert plan["expected_compute"] == pytest.approx(6000, rel=1e-12)
+    assert plan.expected_compute == pytest.approx(6000, rel=1e-12)
     st = ExactCounts(counts)
-    G = plan["group_size"]
+    G = plan.group_size
     if method == "els":
-        assert plan["expected_batch"] == pytest.approx(6000 / 40)
-        assert plan["sampling_rate"] == pytest.approx(plan["expected_batch"] / st.n_bounded(G))
+        assert plan.expected_batch == pytest.approx(6000 / 40)
+        assert plan.sampling_rate == pytest.approx(plan.expected_batch / st.n_bounded(G))
     else:
-        assert plan["expected_batch"] == pytest.approx(6000 / (40 * st.mean_bounded(G)))
-        assert plan["sampling_rate"] == pytest.approx(plan["expected_batch"] / counts.size)
-    assert plan["delta"] == pytest.approx(1 / counts.size**1.1)
-    assert plan["n_train_examples_bounded"] == st.n_bounded(G)
+        assert plan.expected_batch == pytest.approx(6000 / (40 * st.mean_bounded(G)))
+        assert plan.sampling_rate == pytest.approx(plan.expected_batch / counts.size)
+    assert plan.delta == pytest.approx(1 / counts.size**1.1)
+    assert plan.n_train_examples_bounded == st.n_bounded(G)
     # The plan's sigma reaches the plan's epsilon under the plan's accountant.
-    eps = epsilon_of(method, plan["noise_multiplier"], plan["sampling_rate"], 40, plan["delta"], plan["group_size"])
-    assert eps <= 4.0 and eps == pytest.approx(plan["epsilon_achieved"])
+    eps = epsilon_of(method, plan.noise_multiplier, plan.sampling_rate, 40, plan.delta, plan.group_size)
+    assert eps <= 4.0 and eps == pytest.approx(plan.epsilon_achieved)
     for key in ("method", "epsilon", "delta", "group_size", "sampling_rate", "steps", "expected_batch", "noise_multiplier",
                 "epsilon_achieved", "compute_budget", "accountant", "group_size_rule", "clip_norm", "clipping"):
-        assert key in plan
+        assert key in plan.to_record()
 
 
 def test_els_group_size_is_the_median(counts):
     plan = plan_cell(dataset="d", method="els", epsilon=4.0, compute_budget=6000, steps=40, counts=counts, privacy=PRIVACY)
     # The lower median: a count some user has (one definition for exact counts, the DP histogram and the
     # mean-estimation study; docs/method.md section 7).
-    assert plan["group_size"] == ExactCounts(counts).median_group_size() == int(np.sort(counts)[(counts.size - 1) // 2])
+    assert plan.group_size == ExactCounts(counts).median_group_size() == int(np.sort(counts)[(counts.size - 1) // 2])
 
 
 def test_nonprivate_cell(counts):
     plan = plan_cell(dataset="d", method="uls", epsilon=math.inf, compute_budget=6000, steps=40, counts=counts,
                      privacy=PRIVACY, reference_epsilon=4.0)
-    assert plan["noise_multiplier"] == 0.0 and plan["clip_norm"] is None and math.isinf(plan["epsilon"])
+    assert plan.noise_multiplier == 0.0 and plan.clip_norm is None and math.isinf(plan.epsilon)
     private = plan_cell(dataset="d", method="uls", epsilon=4.0, compute_budget=6000, steps=40, counts=counts, privacy=PRIVACY)
-    assert plan["group_size"] == private["group_size"]
+    assert plan.group_size == private.group_size
 
 
 def test_explicit_and_fixed_group_size(counts):
     plan = plan_cell(dataset="d", method="uls", epsilon=4.0, compute_budget=6000, steps=40, counts=counts,
                      privacy=PRIVACY, group_size=16)
-    assert plan["group_size"] == 16 and "explicit" in plan["group_size_rule"]
+    assert plan.group_size == 16 and "explicit" in plan.group_size_rule
     fixed = {**PRIVACY, "group_size": {**PRIVACY["group_size"], "els": 3}}
     assert plan_cell(dataset="d", method="els", epsilon=4.0, compute_budget=6000, steps=40, counts=counts,
-                     privacy=fixed)["group_size"] == 3
+                     privacy=fixed).group_size == 3
     bad = {**PRIVACY, "group_size": {**PRIVACY["group_size"], "els": "snr"}}
     with pytest.raises(ConfigError, match="privacy.group_size.els"):
         plan_cell(dataset="d", method="els", epsilon=4.0, compute_budget=6000, steps=40, counts=counts, privacy=bad)

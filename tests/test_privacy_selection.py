@@ -113,34 +113,34 @@ def test_the_plan_records_what_its_epsilon_means():
     one = plan_cell(**common)
     three = plan_cell(**common, selection=Selection("composed", 3))
     per_run = plan_cell(**common, selection=Selection("per_run", 3))
-    assert one["epsilon_target_of"] == three["epsilon_target_of"] == "released model"
-    assert per_run["epsilon_target_of"] == "each learning-rate run" and per_run["selection"] == {"accounting": "per_run"}
-    assert per_run["noise_multiplier"] == one["noise_multiplier"] == pytest.approx(one["noise_multiplier"])
-    assert three["noise_multiplier"] > 1.1 * one["noise_multiplier"]
-    assert three["epsilon_achieved"] <= 2.0 and three["epsilon_per_run"] < 2.0 / 1.25
-    assert one["epsilon_per_run"] == one["epsilon_achieved"]
+    assert one.epsilon_target_of == three.epsilon_target_of == "released model"
+    assert per_run.epsilon_target_of == "each learning-rate run" and per_run.selection.record() == {"accounting": "per_run"}
+    assert per_run.noise_multiplier == one.noise_multiplier == pytest.approx(one.noise_multiplier)
+    assert three.noise_multiplier > 1.1 * one.noise_multiplier
+    assert three.epsilon_achieved <= 2.0 and three.epsilon_per_run < 2.0 / 1.25
+    assert one.epsilon_per_run == one.epsilon_achieved
     # The plan's event is one run's T steps (what training runs), whatever the selection.
-    run = mechanism.from_record(three).dp_event(three["noise_multiplier"])
-    assert mechanism.event_from_json(three["dp_event"]) == run
-    assert Selection("composed", 3).released_epsilon(mechanism.from_record(three), three["noise_multiplier"],
-                                                     DELTA) == pytest.approx(three["epsilon_achieved"], rel=1e-9)
+    run = three.mechanism.dp_event(three.noise_multiplier)
+    assert mechanism.event_from_json(three.dp_event) == run
+    assert Selection("composed", 3).released_epsilon(three.mechanism, three.noise_multiplier,
+                                                     DELTA) == pytest.approx(three.epsilon_achieved, rel=1e-9)
 
 
 def test_a_complete_runs_ledger_epsilon_is_the_plans_per_run_epsilon():
     """Invariant: the ledger recomputes one run's epsilon from what ran; under composed selection that is the
     plan's `epsilon_per_run` (not the released `epsilon_achieved`), and select_lr gives back the released one."""
     from userdp.evaluation.select import with_selection_epsilon
-    from userdp.training.ledger import build_ledger
+    from userdp.training.ledger import RunFacts, build_ledger
 
     plan = plan_cell(dataset="d", method="els", epsilon=2.0, compute_budget=2400, steps=40, counts=np.full(400, 6),
                      privacy={"delta": DELTA, "group_size": {"els": 4}}, selection=Selection("composed", 3))
-    ledger = build_ledger(plan, steps_completed=40, expected_batch=plan["expected_batch"], n_train_users=400,
-                          n_pool_examples=1600, examples_processed=2400, users_processed=400, learning_rate=1e-3,
-                          training={}, seeds={"run": 0}, resumed_at=[])
-    assert ledger["epsilon"] == pytest.approx(plan["epsilon_per_run"], rel=1e-9)
-    assert ledger["epsilon_plan_per_run"] == plan["epsilon_per_run"] < plan["epsilon_achieved"]
+    ledger = build_ledger(plan, RunFacts(steps_completed=40, expected_batch=plan.expected_batch, n_train_users=400,
+                                 n_pool_examples=1600, examples_processed=2400, users_processed=400,
+                                 learning_rate=1e-3, training={}, seeds={"run": 0}))
+    assert ledger["epsilon"] == pytest.approx(plan.epsilon_per_run, rel=1e-9)
+    assert ledger["epsilon_plan_per_run"] == plan.epsilon_per_run < plan.epsilon_achieved
     released = with_selection_epsilon(ledger, [ledger] * 3, ["a", "b", "c"])
-    assert released["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9) and released["epsilon"] <= 2.0
+    assert released["epsilon"] == pytest.approx(plan.epsilon_achieved, rel=1e-9) and released["epsilon"] <= 2.0
 
 
 def test_the_rdp_integral_is_refused_up_front_above_its_bound(monkeypatch):

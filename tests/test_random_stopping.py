@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from eval_builders import plan_record
 from train_fixtures import make_tokenizer, tokens_table
 from userdp import layout
 from userdp.config import validate_config
@@ -126,7 +127,7 @@ def _job(tmp_path, cfg, dataset="tiny"):
     from userdp.evaluation.random_stopping import RandomStoppingJob
 
     plan = tmp_path / "plan.json"
-    write_json(plan, {"selection": RS, "group_size": 4})
+    write_json(plan, plan_record("uls", 2.0, selection=Selection.from_record(RS)))
     return RandomStoppingJob(config=cfg, plan=str(plan), tokens="t", tokenizer="k", model="m",
                              cell_dir=str(tmp_path / "cell"), dataset=dataset, method="uls", eps="2", budget="600",
                              seed=0)
@@ -212,10 +213,10 @@ def test_the_job_refuses_a_plan_of_another_selection(tmp_path):
     from userdp.evaluation import random_stopping as rs
 
     job = _job(tmp_path, _config())
-    write_json(job.plan, {"selection": {"accounting": "composed", "candidates": 3}})
+    write_json(job.plan, plan_record("uls", 2.0, selection=Selection("composed", 3)))
     with pytest.raises(DataError, match="calibrated for privacy.selection.accounting 'composed'"):
         rs.run_cell(job, **_outs(tmp_path), train=StandIns().train, evaluate=StandIns().evaluate)
-    write_json(job.plan, {"selection": dict(RS, candidates=2)})
+    write_json(job.plan, plan_record("uls", 2.0, selection=Selection.from_record(dict(RS, candidates=2))))
     with pytest.raises(DataError, match="2 candidate learning rates, training.learning_rates has 3"):
         rs.run_cell(job, **_outs(tmp_path), train=StandIns().train, evaluate=StandIns().evaluate)
 
@@ -241,8 +242,8 @@ def test_one_cell_end_to_end_with_a_real_model(tmp_path):
     sel = Selection.from_config(cfg["privacy"], cfg["training"]["learning_rates"])
     plan = plan_cell(dataset="tiny", method="uls", epsilon=2.0, compute_budget=600, steps=6,
                      counts=read_train_token_counts(str(tokens)), privacy=cfg["privacy"], selection=sel)
-    assert plan["selection"] == RS
-    write_json(tmp_path / "plan.json", plan)
+    assert plan.selection.record() == RS
+    plan.write(tmp_path / "plan.json")
     job = rs.RandomStoppingJob(config=cfg, plan=str(tmp_path / "plan.json"), tokens=str(tokens),
                                tokenizer=str(tmp_path / "tokenizer"), model=str(tmp_path / "base"),
                                cell_dir=str(tmp_path / "cell"), dataset="tiny", method="uls", eps="2",

@@ -93,7 +93,7 @@ def replay(method: str, clipping: str, removed: str | None, root: Path, per_user
     pool = pool_for(removed)
     # q and the plan are D's: the same mechanism runs on both datasets (only expected_batch warns on D - u)
     plan = plan_for(pool_for(None), method, expected=1.0, steps=T, sigma=SIGMA, clip=CLIP)
-    plan["sampling_rate"], plan["clipping"] = RATE[method], clipping
+    plan = plan.replace(sampling_rate=RATE[method], clipping=clipping)
     settings = TrainSettings(learning_rate=0.0, optimizer="sgd", schedule="constant", warmup_steps=0,
                              physical_batch_size=8, sequence_length=SEQ, checkpoint_every=1000, device="cpu",
                              log_every_s=1e9, uls_examples_per_user=per_user)

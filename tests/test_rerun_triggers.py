@@ -277,10 +277,7 @@ def test_filtered_privacy_params_give_the_same_plans():
         full = plan_cell(privacy=config["privacy"], reference_epsilon=4.0, **kw)
         mine = plan_cell(privacy=plan_privacy_params(config, method, eps, group),
                          reference_epsilon=reference_epsilon_param(config, method, eps, group), **kw)
-        for p in (full, mine):
-            if p["calibration"]:
-                p["calibration"].pop("seconds")
-        assert mine == full, (method, eps, group)
+        assert mine.without_timing() == full.without_timing(), (method, eps, group)
     assert reference_epsilon_param(config, "els", "inf") is None  # median rule: G does not depend on epsilon
     assert reference_epsilon_param(config, "uls", "inf") == 4.0
     assert "comparison" not in plan_privacy_params(config, "uls", "4")

@@ -21,7 +21,7 @@ from userdp.errors import ConfigError
 from userdp.privacy import seed_secrecy
 from userdp.privacy.contribution_stats import NoisyHistogram, release_for_dataset
 from userdp.training import engine
-from userdp.training.ledger import build_ledger
+from userdp.training.ledger import RunFacts, build_ledger
 from userdp.training.pool import build_pool
 from userdp.training.settings import TrainSettings
 
@@ -85,17 +85,19 @@ def test_dp_statistics_release_plan_record_and_ledger_carry_the_mode(pool):
     record = NoisyHistogram.from_release(derived, "f.json").record()  # what the plan stores
     assert record["seeds_mode"] == "derived" and record["guarantee_caveat"] == seed_secrecy.DERIVED_CAVEAT
     # a run with secret training seeds over a histogram drawn from derived seeds is still "derived"
-    plan = dict(plan_for(pool, "els", expected=3.0, steps=2, sigma=0.7, clip=0.5), contribution_stats=record)
-    ledger = build_ledger(plan, steps_completed=2, expected_batch=3.0, n_train_users=pool.n_users,
-                          n_pool_examples=pool.n_examples, examples_processed=6, users_processed=3,
-                          learning_rate=0.01, training={}, seeds={"secret": True, "sampler": "secret"},
-                          resumed_at=[], compute_epsilon=fake_epsilon)
+    plan = plan_for(pool, "els", expected=3.0, steps=2, sigma=0.7, clip=0.5).replace(contribution_stats=record)
+    ledger = build_ledger(plan, RunFacts(steps_completed=2, expected_batch=3.0, n_train_users=pool.n_users,
+                                         n_pool_examples=pool.n_examples, examples_processed=6, users_processed=3,
+                                         learning_rate=0.01, training={},
+                                         seeds={"secret": True, "sampler": "secret"}),
+                          compute_epsilon=fake_epsilon)
     assert ledger["seeds_mode"] == "derived" and ledger["contribution_stats"]["seeds_mode"] == "derived"
-    plan["contribution_stats"] = NoisyHistogram.from_release(secret, "f.json").record()
-    ledger = build_ledger(plan, steps_completed=2, expected_batch=3.0, n_train_users=pool.n_users,
-                          n_pool_examples=pool.n_examples, examples_processed=6, users_processed=3,
-                          learning_rate=0.01, training={}, seeds={"secret": True, "sampler": "secret"},
-                          resumed_at=[], compute_epsilon=fake_epsilon)
+    plan = plan.replace(contribution_stats=NoisyHistogram.from_release(secret, "f.json").record())
+    ledger = build_ledger(plan, RunFacts(steps_completed=2, expected_batch=3.0, n_train_users=pool.n_users,
+                                         n_pool_examples=pool.n_examples, examples_processed=6, users_processed=3,
+                                         learning_rate=0.01, training={},
+                                         seeds={"secret": True, "sampler": "secret"}),
+                          compute_epsilon=fake_epsilon)
     assert ledger["seeds_mode"] == "secret" and ledger["guarantee_caveat"] is None
 
 

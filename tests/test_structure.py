@@ -114,7 +114,7 @@ def test_pin_parser_catches_a_mismatch():
 BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "code_version", "workers")
 #: Top level: they may import every stage. config validates the whole config, so it reads each stage's
 #: declarations (the data-source registry, the run settings); no stage imports it.
-TOP_MODULES = ("config", "cli", "__main__")
+TOP_MODULES = ("config", "cli", "__main__", "api")
 STAGE_RANKS = {
     "base": 0,
     "data": 1,

@@ -204,7 +204,7 @@ def test_torchrun_launcher_matches_in_process_job(tmp_path):
     train = tokens.filter(pc.equal(tokens["split"], "train")).select(["user_id", "example_id", "input_ids"])
     bounded = build_pool(train, 2, derive_seed(0, "tiny", 0, 2, "bounding"))  # the job's own bounding
     plan = plan_for(bounded, "els", expected=6.0, steps=3, sigma=SIGMA, clip=CLIP)
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    plan.write(tmp_path / "plan.json")
     config = validate_config({
         "seed": 0, "datasets": {"tiny": {"source": "synthetic"}},
         "tokenizer": {"sequence_length": SEQ, "public_dataset": "tiny"},

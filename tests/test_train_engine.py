@@ -13,7 +13,7 @@ import torch
 from scipy import stats
 
 from train_fixtures import VOCAB, ConstantGradients, LoopGradients, plan_for, run_settings, tiny_model, tokens_table
-from userdp.errors import ConfigError, DataError
+from userdp.errors import ConfigError, DataError, Preempted, run_main
 from userdp.io import read_json
 from userdp.training import engine, step_log
 from userdp.training.noise import GaussianNoise
@@ -175,7 +175,7 @@ def test_checkpoint_of_another_mechanism_is_ignored(tmp_path, pool):
     plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
     engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
                  gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
-    other = dict(plan, noise_multiplier=0.9)
+    other = plan.replace(noise_multiplier=0.9)
     steps_run = []
     out = engine.train(tiny_model(), pool, other, settings(), engine.RunPaths(tmp_path), seeds(), 0,
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon,
@@ -280,19 +280,19 @@ def test_ledger_epsilon_matches_plan(tmp_path, method, G):
     pool = build_pool(train, G, seed=0)
     T, sigma, delta = 3, 1.0, 1e-3
     plan = plan_for(pool, method, expected=2.0, steps=T, sigma=sigma, clip=1.0, delta=delta)
-    plan["epsilon_achieved"] = epsilon_of(method, sigma, plan["sampling_rate"], T, delta,
-                                          group_size=G if method == "els" else 1)
+    plan = plan.replace(epsilon_achieved=epsilon_of(method, sigma, plan.sampling_rate, T, delta,
+                                                    group_size=G if method == "els" else 1))
     out = engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(method), 0,
                        gradient_source=ConstantGradients)
     ledger = read_json(tmp_path / "ledger.json")
-    assert ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-9)
+    assert ledger["epsilon"] == pytest.approx(plan.epsilon_achieved, rel=1e-9)
     for key in ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size", "delta",
                 "accountant"):
-        assert ledger[key] == plan[key]
+        assert ledger[key] == getattr(plan, key)
     assert ledger["steps_completed"] == ledger["steps_planned"] == T
     assert set(ledger["versions"]) >= {"torch", "transformers", "dp_accounting", "userdp", "python"}
     assert ledger["examples_processed"] == int(out.log["realised_examples"].sum())
-    assert ledger["compute_ratio"] == pytest.approx(ledger["examples_processed"] / plan["compute_budget"])
+    assert ledger["compute_ratio"] == pytest.approx(ledger["examples_processed"] / plan.compute_budget)
     assert ledger["seed"] == 0
 
 
@@ -331,7 +331,7 @@ def test_uls_with_too_small_physical_batch_fails_early(tmp_path, pool):
     with pytest.raises(ConfigError, match="physical_batch_size"):
         engine.train(tiny_model(), pool, plan, settings(physical_batch_size=2), engine.RunPaths(tmp_path), seeds(),
                      0, gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
-    bad = dict(plan, group_size=5)
+    bad = plan.replace(group_size=5)
     with pytest.raises(DataError, match="group_size"):
         engine.train(tiny_model(), pool, bad, settings(), engine.RunPaths(tmp_path), seeds(), 0,
                      gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
@@ -363,9 +363,8 @@ def test_sigterm_saves_a_checkpoint_after_the_step_and_the_resumed_run_is_identi
         if step == 3:
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, delivered to this process
 
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(Preempted):  # the library stops; the job decides the exit code
         run(tmp_path / "a", on_step=term_at_3)
-    assert exc.value.code == 128 + signal.SIGTERM
     assert seen == [1, 2, 3]  # stopped after the step in progress
     assert (tmp_path / "a" / "checkpoint" / "state.pt").exists()  # only the SIGTERM path could have written it
     assert not (tmp_path / "a" / "ledger.json").exists()
@@ -373,4 +372,14 @@ def test_sigterm_saves_a_checkpoint_after_the_step_and_the_resumed_run_is_identi
     resumed = []
     m2, out2 = run(tmp_path / "a", on_step=lambda st, r: resumed.append(st))
     assert resumed == [4, 5, 6] and out2.complete
+    try:  # under the job's entry (run_main's own SIGTERM handler): the step finishes, the checkpoint is saved
+        # and the job exits 128 + SIGTERM (what SLURM and snakemake read as stopped). Before, run_main's handler
+        # was chained and stopped the step at once, so no checkpoint was saved.
+        with pytest.raises(SystemExit) as exc:
+            run_main(lambda: run(tmp_path / "b", on_step=lambda st, r: st == 2 and os.kill(os.getpid(),
+                                                                                        signal.SIGTERM)))
+        assert exc.value.code == 128 + signal.SIGTERM
+        assert (tmp_path / "b" / "checkpoint" / "state.pt").exists()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert torch.equal(params_vector(m2), params_vector(ref_model))

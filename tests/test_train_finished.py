@@ -23,7 +23,7 @@ def pool():
 
 
 def run(tmp_path, pool, steps=3, lr=1e-2, counter=None, plan_extra=None, **setting):
-    plan = plan_for(pool, "els", expected=4.0, steps=steps, sigma=1.0, clip=1.0) | (plan_extra or {})
+    plan = plan_for(pool, "els", expected=4.0, steps=steps, sigma=1.0, clip=1.0).replace(**(plan_extra or {}))
     return engine.train(tiny_model(), pool, plan, run_settings(learning_rate=lr, **setting), engine.RunPaths(tmp_path),
                         engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0, gradient_source=ConstantGradients,
                         compute_epsilon=constant_epsilon,

@@ -57,7 +57,7 @@ def build_inputs(root: Path) -> dict:
         expected = 4.0 if cell.method == "els" else 2.0
         q, sigma, delta = expected / n, 1.0, 1e-3
         write_json(root / cell.plan_path, {
-            "method": cell.method, "epsilon": cell.epsilon, "delta": delta, "group_size": G,
+            "dataset": cell.dataset, "method": cell.method, "epsilon": cell.epsilon, "delta": delta, "group_size": G,
             "sampling_rate": q, "steps": cell.steps, "expected_batch": expected, "noise_multiplier": sigma,
             "epsilon_achieved": epsilon_of(cell.method, sigma, q, cell.steps, delta,
                                                 group_size=G if cell.method == "els" else 1),

@@ -6,6 +6,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from userdp.privacy.spec import RunSpec
+from userdp.training.gradients import MicroBatchStats
+
 torch.set_num_threads(1)  # tests share 2 cores; tiny models gain nothing from more
 
 VOCAB = 40
@@ -83,8 +86,8 @@ class LoopGradients:
                 clipped += int(norm > self.clip_norm)
             for p, a in zip(params, acc):
                 p.grad.add_(a, alpha=scale)
-        return {"loss_sum": loss_sum, "n_rows": n_rows, "n_units": len(norms),
-                "unit_norms": torch.tensor(norms), "clipped_fraction": clipped / max(len(norms), 1)}
+        return MicroBatchStats(loss_sum=loss_sum, n_rows=n_rows, n_units=len(norms), unit_norms=torch.tensor(norms),
+                               clipped_fraction=clipped / max(len(norms), 1))
 
 
 class ConstantGradients:
@@ -99,21 +102,20 @@ class ConstantGradients:
         self.units_seen.append(n)
         for p in self.model.parameters():
             p.grad.add_(torch.full_like(p, self.value * n))
-        return {"loss_sum": 0.0, "n_rows": int((unit_ids >= 0).sum()), "n_units": n,
-                "unit_norms": None, "clipped_fraction": 0.0}
+        return MicroBatchStats(loss_sum=0.0, n_rows=int((unit_ids >= 0).sum()), n_units=n)
 
 
 def plan_for(pool, method: str, *, expected: float, steps: int, sigma: float = 1.0, clip: float | None = 1.0,
-             delta: float = 1e-4, epsilon: float = 8.0, epsilon_achieved: float | None = None) -> dict:
-    """A plan dict for `pool` with sampling rate expected / N."""
+             delta: float = 1e-4, epsilon: float = 8.0, epsilon_achieved: float | None = None) -> RunSpec:
+    """A run spec for `pool` with sampling rate expected / N."""
     n = pool.n_examples if method == "els" else pool.n_users
     q = expected / n
-    return {
-        "method": method, "epsilon": epsilon, "delta": delta, "group_size": pool.group_size,
-        "sampling_rate": q, "steps": steps, "expected_batch": expected, "noise_multiplier": sigma,
-        "epsilon_achieved": epsilon_achieved, "compute_budget": int(round(expected * steps)),
-        "accountant": "pld", "group_size_rule": "explicit", "clip_norm": clip, "clipping": "flat",
-    }
+    return RunSpec(
+        dataset="test", method=method, epsilon=epsilon, delta=delta, group_size=pool.group_size,
+        sampling_rate=q, steps=steps, expected_batch=expected, noise_multiplier=sigma,
+        epsilon_achieved=epsilon_achieved, compute_budget=int(round(expected * steps)),
+        accountant="pld", group_size_rule="explicit", clip_norm=clip, clipping="flat",
+    )
 
 
 def make_tokenizer(out_dir, vocab_size: int = 300) -> int:

@@ -36,13 +36,11 @@ def main() -> None:
         steps=int(sm.params.steps), counts=counts, privacy=privacy,
         reference_epsilon=sm.params.reference_epsilon, stats=stats,
     )
-    plan["median_train"] = None
-    plan["delta_rule"] = delta_rule
-    plan["contribution_counts"] = ("audit tokens.parquet rows per train user (dataset train users plus included "
-                                   "canaries)")
-    userdp.io.write_json(sm.output[0], plan)
-    log.info("%s: G=%d (%s), q=%.5g, sigma=%.5g, eps achieved %s", sm.output[0], plan["group_size"],
-             plan["group_size_rule"], plan["sampling_rate"], plan["noise_multiplier"], plan["epsilon_achieved"])
+    plan = plan.replace(median_train=None, delta_rule=delta_rule, contribution_counts=(
+        "audit tokens.parquet rows per train user (dataset train users plus included canaries)"))
+    plan.write(sm.output[0])
+    log.info("%s: G=%d (%s), q=%.5g, sigma=%.5g, eps achieved %s", sm.output[0], plan.group_size,
+             plan.group_size_rule, plan.sampling_rate, plan.noise_multiplier, plan.epsilon_achieved)
 
 
 userdp.errors.run_main(main, log)

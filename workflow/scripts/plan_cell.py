@@ -39,14 +39,13 @@ def main() -> None:
     )
     # The exact median is a statistic of private data: left out when the G
     # rules use the DP statistics instead.
-    plan["median_train"] = contributions.get("median_train") if stats is None else None
-    if "tokens" in inputs:
-        plan["contribution_counts"] = source
-    userdp.io.write_json(sm.output[0], plan)
+    plan = plan.replace(median_train=contributions.get("median_train") if stats is None else None,
+                        contribution_counts=source if "tokens" in inputs else None)
+    plan.write(sm.output[0])
     log.info(
         "%s: G=%d (%s), q=%.5g, expected batch %.4g %s, sigma=%.5g, eps achieved %s",
-        sm.output[0], plan["group_size"], plan["group_size_rule"], plan["sampling_rate"],
-        plan["expected_batch"], plan["expected_batch_unit"], plan["noise_multiplier"], plan["epsilon_achieved"],
+        sm.output[0], plan.group_size, plan.group_size_rule, plan.sampling_rate,
+        plan.expected_batch, plan.expected_batch_unit, plan.noise_multiplier, plan.epsilon_achieved,
     )
 
 

@@ -1,9 +1,49 @@
 """userdp: user-level differentially private fine-tuning of language models.
 
-The library behind the Snakemake pipeline: data loading and user grouping
+The public API (docs/api.md) is importable from here: `userdp.fine_tune`,
+`userdp.plan`, `userdp.epsilon`, `userdp.load_released`, `userdp.read_ledger`,
+`userdp.RunSpec`, `userdp.FineTuneResult` and the error types. They load on
+first use, so `import userdp` stays light (the Snakefile imports the package
+to parse its rules). Behind them: data loading and user grouping
 (`userdp.data`), privacy accounting and planning (`userdp.privacy`), the DP
 training engine (`userdp.training`), evaluation (`userdp.evaluation`), the
 synthetic studies (`userdp.experiments`) and figures (`userdp.plotting`).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it (docs/api.md lists each with its purpose).
+_EXPORTS = {
+    "fine_tune": "userdp.api",
+    "plan": "userdp.api",
+    "epsilon": "userdp.api",
+    "load_released": "userdp.api",
+    "read_ledger": "userdp.api",
+    "FineTuneResult": "userdp.api",
+    "RunSpec": "userdp.privacy.spec",
+    "UserError": "userdp.errors",
+    "ConfigError": "userdp.errors",
+    "DataError": "userdp.errors",
+    "PrivacyError": "userdp.errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'userdp' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -572,3 +572,32 @@ def merge_configs(base: dict, override: dict) -> dict:
 def load_config(path: str | Path) -> dict:
     """Read a YAML config file and validate it."""
     return validate_config(read_config_file(path), source=str(path))
+
+
+#: The dataset name of a run outside the pipeline (userdp.fine_tune): its seeds and artifacts carry it.
+API_DATASET = "data"
+
+
+def run_config(*, model: str | None = None, tokenizer: str | None = None, lora: dict | None = None, seed: int = 0,
+               privacy: dict | None = None, training: dict | None = None, sequence_length: int | None = None,
+               source: str = "userdp.fine_tune") -> dict:
+    """A validated config for one run outside the pipeline (`userdp.fine_tune`): the schema's defaults (the
+    pipeline's) under the given sections, so every key is checked and named as in a config file.
+
+    model / tokenizer: model.name and tokenizer.name (default: the model folder's tokenizer; None with no model:
+    only the other sections are wanted). The datasets and grid are placeholders nobody reads: the run's data
+    comes as rows, its cell as arguments.
+    """
+    tok: dict[str, Any] = {"name": tokenizer or model}
+    if sequence_length is not None:
+        tok["sequence_length"] = sequence_length
+    config = {
+        "seed": seed,
+        "datasets": {API_DATASET: {"source": "synthetic"}},
+        "grid": {"datasets": [API_DATASET]},
+        "tokenizer": tok,
+        "model": {"name": model, "lora": lora},
+        "privacy": copy.deepcopy(privacy or {}),
+        "training": copy.deepcopy(training or {}),
+    }
+    return validate_config(config, source)

@@ -36,22 +36,36 @@ class AccountingLimitError(PrivacyError):
     """An accountant call would exceed its documented memory bound (the PLD would be too large); refused up front."""
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+class Preempted(BaseException):
+    """Work stopped by SIGTERM (SLURM's preemption and time-limit signal, snakemake's stop). The library raises
+    it (training: after saving its checkpoint); the job's entry (`run_main`) exits with 128 + SIGTERM, so SLURM
+    and snakemake see a stopped job. A BaseException, like KeyboardInterrupt: `except Exception` blocks do not
+    swallow it, and `with` blocks unwind (temporary files of atomic writes are removed)."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise Preempted(f"stopped by signal {signum}")
 
 
 def run_main(fn: Callable[[], object], log: logging.Logger | None = None) -> None:
     """Run `fn`; on a UserError print the message and exit with status 2.
 
-    SIGTERM (what SLURM and snakemake send to a job they stop) becomes a
-    SystemExit, so `with` blocks unwind: temporary files of atomic writes are
+    SIGTERM (what SLURM and snakemake send to a job they stop) raises
+    `Preempted`, so `with` blocks unwind: temporary files of atomic writes are
     removed instead of being left behind (Python's default SIGTERM action
-    kills the process without running any cleanup).
+    kills the process without running any cleanup); the job then exits with
+    128 + SIGTERM, as it does when the library raises `Preempted` itself.
     """
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         fn()
+    except Preempted as exc:
+        if log is not None:
+            log.warning("%s; exiting with %d", exc, Preempted.exit_code)
+        sys.exit(Preempted.exit_code)
     except UserError as exc:
         msg = f"error: {exc}"
         if log is not None:

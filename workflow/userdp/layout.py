@@ -135,6 +135,7 @@ LEDGER = "ledger.json"
 TRAIN_LOG = "train_log.parquet"
 RUN_MODEL = "model"  # the fine-tuned model's folder in a run folder (and a random-stopping cell's released model)
 EVAL = "eval.json"
+PLAN_FILE = "plan.json"  # the run spec in a run folder written by userdp.fine_tune (the pipeline keeps plans in results/plan/)
 METRICS = "metrics.json"
 PRETRAINED_METRICS = RUNS + "/pretrained/" + METRICS
 

@@ -338,7 +338,7 @@ def _list_array(flat: np.ndarray, lengths: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()))
 
 
-def _special(tok) -> tuple[int, int]:
+def special_token_ids(tok) -> tuple[int, int]:
     bos, eos = tok.bos_token_id, tok.eos_token_id
     if bos is None or eos is None:
         raise DataError("the tokenizer in results/tokenizer has no bos/eos token ids; rebuild it.")
@@ -374,7 +374,7 @@ def tokenize_examples(
     rows include the train users' examples, a statistic of their counts.
     """
     tok = load_tokenizer(tok_dir)
-    bos, eos = _special(tok)
+    bos, eos = special_token_ids(tok)
     schema = _schema_with_meta(TOKENS_SCHEMA, tok, seq_len, mode)
     n_in = n_out = n_trunc = n_tok = 0
     next_id = 0
@@ -423,7 +423,7 @@ def tokenize_public(
 ) -> dict:
     """Write public_tokens.parquet (input_ids, n_tokens) for the public corpus (`threads` as above)."""
     tok = load_tokenizer(tok_dir)
-    bos, eos = _special(tok)
+    bos, eos = special_token_ids(tok)
     schema = _schema_with_meta(PUBLIC_TOKENS_SCHEMA, tok, seq_len, mode)
     n_out = n_tok = 0
     pf = streaming_parquet(public_path)

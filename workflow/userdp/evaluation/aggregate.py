@@ -40,9 +40,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import pandas as pd
 
 from ..errors import DataError
-from ..io import atomic_path, read_frame, read_json, write_parquet
+from ..io import atomic_path, clean_floats, read_frame, read_json, write_parquet
 from ..layout import Cell, cell_of_dir
 from ..privacy import seed_secrecy
+from ..privacy.spec import RunSpec
 from .targets import SUMMARY_INPUTS
 
 log = logging.getLogger(__name__)
@@ -103,9 +104,9 @@ def seeds_columns(ledger: Mapping) -> dict[str, Any]:
     return seed_secrecy.seeds_fields(bool((ledger.get("seeds") or {}).get("secret")))
 
 
-def cell_row(cell: Cell, plan: Mapping, ledger: Mapping, metrics: Mapping, train_log: pd.DataFrame | None) -> dict:
-    """One summary row for a cell."""
-    g = cell.group_size if cell.group_size else _scalar(plan.get("group_size"))
+def cell_row(cell: Cell, plan: RunSpec, ledger: Mapping, metrics: Mapping, train_log: pd.DataFrame | None) -> dict:
+    """One summary row for a cell (its plan's fields as plan_* columns, as the plan JSON writes them)."""
+    g = cell.group_size if cell.group_size else plan.group_size
     row: dict[str, Any] = {
         "dataset": cell.dataset,
         "method": cell.method,
@@ -119,7 +120,7 @@ def cell_row(cell: Cell, plan: Mapping, ledger: Mapping, metrics: Mapping, train
     }
     row.update(flatten(metrics))
     row.update(seeds_columns(ledger))
-    row.update(flatten(_events_as_text(plan), "plan_"))
+    row.update(flatten(_events_as_text(clean_floats(plan.to_record())), "plan_"))
     row.update(flatten(_events_as_text({k: v for k, v in ledger.items() if k not in SEEDS_COLUMNS}), "ledger_"))
     if train_log is not None:
         row.update(train_log_stats(train_log))
@@ -175,7 +176,7 @@ def build_summary(config: Mapping, inputs: Mapping[str, Sequence[str | os.PathLi
     for plan_path, metrics_path, ledger_path, log_path in zip(*files):
         cell = cell_of_dir(str(Path(metrics_path).parent), config)
         dataset = cell.dataset
-        plan = _read_json(plan_path, "plan")
+        plan = RunSpec.load(plan_path)
         ledger = _read_json(ledger_path, "ledger")
         metrics = _read_json(metrics_path, "metrics")
         log_path = Path(log_path)

@@ -50,6 +50,7 @@ from ..io import atomic_path, json_text, read_json, write_json
 from ..layout import fmt_num
 from ..privacy import seed_secrecy
 from ..privacy.selection import Selection
+from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
 from ..training import checkpoint
 from .select import REPORTED, choose_learning_rate, copy_train_log, with_selection_epsilon
@@ -143,8 +144,7 @@ def run_cell(job: RandomStoppingJob, *, out_metrics: str, out_ledger: str, out_t
     """
     from ..training.engine import RunPaths
 
-    plan = read_json(job.plan)
-    selection = Selection.from_record(plan.get("selection"))
+    selection = RunSpec.load(job.plan).selection_policy
     if selection.mode != "random_stopping":
         raise DataError(f"{job.plan}: the plan was calibrated for privacy.selection.accounting "
                         f"{selection.mode!r}, not random_stopping; rerun the plan rule (delete the plan).")

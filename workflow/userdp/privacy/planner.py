@@ -33,6 +33,7 @@ from .contributions import Contributions, ExactCounts
 from .group_size import choose_group_size
 from .mechanism import Mechanism, Sampling
 from .selection import Selection
+from .spec import CALIBRATION_TIMING, PRIVATE_SIZES, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -138,18 +139,6 @@ def _calibrate(mech: Mechanism, epsilon: float, delta: float, privacy: dict, ext
     return cal.noise_multiplier, cal.epsilon_achieved, record
 
 
-#: The plan's one machine-dependent field: the calibration's wall time (plan["calibration"][CALIBRATION_TIMING]).
-CALIBRATION_TIMING = "seconds"
-
-
-def without_timing(plan: dict) -> dict:
-    """The plan without its wall time: what a run's outputs depend on (the finished-run key)."""
-    out = dict(plan)
-    if isinstance(out.get("calibration"), dict):
-        out["calibration"] = {k: v for k, v in out["calibration"].items() if k != CALIBRATION_TIMING}
-    return out
-
-
 def plan_cell(
     *,
     dataset: str,
@@ -163,8 +152,8 @@ def plan_cell(
     reference_epsilon: float | None = None,
     stats: NoisyHistogram | None = None,
     selection: Selection | None = None,
-) -> dict[str, Any]:
-    """The plan of one grid cell (the plan JSON of docs/artifacts.md, "Plans").
+) -> RunSpec:
+    """The plan of one grid cell: its run specification (JSON: docs/artifacts.md, "Plans").
 
     counts: example counts n_u of the train users (their contributions).
     group_size: an explicit G (G-sweep cells); otherwise the configured rule.
@@ -218,24 +207,22 @@ def plan_cell(
             raise PrivacyError(f"{exc} Note: {g_note}") from exc
     else:
         sigma, eps_ach, calibration = 0.0, math.inf, None
-    plan = _plan_record(dataset, mech, sampling, epsilon, delta, delta_rule, rule, sigma, eps_ach, compute_budget,
-                        privacy, sizes, calibration, extra)
-    plan.update(_selection_fields(selection, mech, sigma, eps_ach, delta, extra))
-    plan["delta_warning"] = warn_delta
-    plan["group_size_note"] = g_note
+    fields = _plan_record(dataset, mech, sampling, epsilon, delta, delta_rule, rule, sigma, eps_ach, compute_budget,
+                          privacy, sizes, calibration, extra)
+    fields.update(_selection_fields(selection, mech, sigma, eps_ach, delta, extra))
+    fields.update(delta_warning=warn_delta, group_size_note=g_note)
     if stats is not None:
-        plan["contribution_statistics"] = (
-            "private: Laplace histogram composed into epsilon; G, N_G and mbar_G come from the histogram, only "
-            "the number of train users N is treated as public (docs/privacy.md)"
-        )
-        plan["contribution_stats"] = stats.record()
+        released = stats.record()
         if private:  # how the total splits (for reporting): the training steps alone at the plan's sigma
-            plan["contribution_stats"]["epsilon_training_only"] = mech.epsilon(sigma, delta)
+            released["epsilon_training_only"] = mech.epsilon(sigma, delta)
+        fields.update(contribution_stats=released, contribution_statistics=(
+            "private: Laplace histogram composed into epsilon; G, N_G and mbar_G come from the histogram, only "
+            "the number of train users N is treated as public (docs/privacy.md)"))
     if table is not None:
-        plan["group_size_candidates"] = table
+        fields["group_size_candidates"] = table
         if not private:
-            plan["group_size_reference_epsilon"] = eps_for_g
-    return plan
+            fields["group_size_reference_epsilon"] = eps_for_g
+    return RunSpec(**fields)
 
 
 def _selection_fields(selection: Selection, mech: Mechanism, sigma: float, eps_ach: float, delta: float,
@@ -246,7 +233,7 @@ def _selection_fields(selection: Selection, mech: Mechanism, sigma: float, eps_a
     else:
         per_run = eps_ach  # one run is the whole selection (or the target is per run)
     return {
-        "selection": selection.record(),
+        "selection": selection,
         "epsilon_target_of": "released model" if selection.target_is_released else "each learning-rate run",
         "epsilon_per_run": per_run,
     }
@@ -288,16 +275,6 @@ def _plan_record(dataset: str, mech: Mechanism, sampling: Sampling, epsilon: flo
         "library_versions": accounting.library_versions(),
         "dp_event": mechanism.event_to_json(mech.dp_event(sigma)),
     }
-
-
-#: The plan's `planning_sizes` when N_G and mbar_G come from the DP contribution statistics.
-PRIVATE_SIZES = "DP histogram"
-
-
-def sizes_from_release(plan: dict) -> bool:
-    """Whether a plan's N_G and mbar_G are the DP release's estimates (training then divides by the plan's
-    expected batch and writes no exact pool size)."""
-    return plan.get("planning_sizes") == PRIVATE_SIZES
 
 
 @dataclasses.dataclass(frozen=True)

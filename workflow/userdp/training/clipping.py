@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from userdp.errors import ConfigError
 from userdp.training import grad_norms as gn
+from userdp.training.gradients import MicroBatchStats
 
 NORM_METHODS = ("auto", "ghost", "instantiate")
 
@@ -479,7 +480,8 @@ class ClippedGradients:
         self._low: torch.dtype | None = None
 
     # ------------------------------------------------------------------ API
-    def accumulate(self, input_ids: Tensor, attention_mask: Tensor, unit_ids: Tensor, row_weights: Tensor) -> dict:
+    def accumulate(self, input_ids: Tensor, attention_mask: Tensor, unit_ids: Tensor,
+                   row_weights: Tensor) -> MicroBatchStats:
         """Add sum_u clip(g_u) into p.grad; rows with unit_ids == -1 are ignored.
 
         Returns loss_sum (sum of row losses), n_rows, n_units, unit_ids (the
@@ -532,9 +534,10 @@ class ClippedGradients:
 
     # ------------------------------------------------------------ internals
     @staticmethod
-    def _stats(loss_sum: float, n_rows: int, units: Tensor, norms: Tensor, clipped: float, nonfinite: int) -> dict:
-        return {"loss_sum": loss_sum, "n_rows": n_rows, "n_units": int(units.numel()), "unit_ids": units,
-                "unit_norms": norms.detach(), "clipped_fraction": clipped, "nonfinite_units": nonfinite}
+    def _stats(loss_sum: float, n_rows: int, units: Tensor, norms: Tensor, clipped: float,
+               nonfinite: int) -> MicroBatchStats:
+        return MicroBatchStats(loss_sum=loss_sum, n_rows=n_rows, n_units=int(units.numel()), unit_ids=units,
+                               unit_norms=norms.detach(), clipped_fraction=clipped, nonfinite_units=nonfinite)
 
     def _check_trainable(self) -> None:
         now = {id(p) for p in self.model.parameters() if p.requires_grad}

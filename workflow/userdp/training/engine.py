@@ -23,10 +23,18 @@ same sampling and division, with no clipping and no noise.
 `RunState` owns the state of every component (model, optimizer, scheduler,
 sampler, noise generator, torch/CUDA RNG, counters, log rows); every
 `checkpoint_every` steps it is saved atomically in the run's `checkpoint/`
-folder, and also when the job gets SIGTERM (after the step in progress; it then
-exits with 143); a restarted job resumes from it, so the total number of noisy
-steps a released model has seen is exactly T. When the run completes, the model,
-train_log.parquet and ledger.json are written and the checkpoint is deleted.
+folder, and also when the job gets SIGTERM (after the step in progress; `train`
+then raises `errors.Preempted` and the job exits with 143); a restarted job
+resumes from it, so the total number of noisy steps a released model has seen
+is exactly T. When the run completes, the model, train_log.parquet and
+ledger.json are written and the checkpoint is deleted.
+
+`train` reads top to bottom as the run's phases: `prepare` (placement, secret
+seeds, state, step, keys) -> `restore_finished` (a run finished before: its
+outputs linked back) or `resume_or_start` (its checkpoint) -> `loop` ->
+`finish` (model, log, ledger) or `interrupt` (checkpoint saved). The
+mechanism comes from a `privacy.spec.RunSpec` (the plan); observation for
+tests and audits goes through a `StepHook` of `DPStep` (`Observer`).
 
 Several processes (torchrun; `userdp.training.distributed`): when
 torch.distributed is initialised (or `dist` is passed), every rank draws the
@@ -51,16 +59,17 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from ..errors import DataError, PrivacyError
+from ..errors import DataError, Preempted
 from ..io import read_frame, read_json, write_json, write_parquet
 from ..layout import LEDGER, RUN_MODEL, TRAIN_LOG, fmt_num
 from ..privacy import mechanism as privacy_mechanism
-from ..privacy.planner import sizes_from_release, without_timing
+from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
 from . import checkpoint as ckpt
 from . import distributed, finished, step_log
 from .batching import StepSelection, check_uls_fits, pack_micro_batches, select_els, select_uls
-from .ledger import build_ledger
+from .gradients import GradientSource, GradientSourceFactory, MicroBatchStats
+from .ledger import RunFacts, build_ledger
 from .models import autocast_context, resolve_device, save_model_atomic
 from .noise import GaussianNoise
 from .optim import make_optimizer, make_scheduler
@@ -163,14 +172,14 @@ def public_seeds(seeds: dict[str, Any]) -> dict[str, Any]:
     return {k: ("secret" if k in SECRET_SEEDS else v) for k, v in seeds.items()}
 
 
-def run_fingerprint(plan: dict[str, Any], settings: TrainSettings, device: torch.device, seeds: dict[str, Any],
+def run_fingerprint(spec: RunSpec, settings: TrainSettings, device: torch.device, seeds: dict[str, Any],
                     pool: TrainingPool, model: torch.nn.Module, n_units: int) -> str:
     """What a checkpoint must match to be resumed: the mechanism, the result-changing settings
     (TrainSettings.result_settings, with the device type the run uses), the public seeds, and the
     content of the base model and the pool (a rebuilt model or training data must not resume an old run).
     """
     return ckpt.fingerprint({
-        "plan": {k: plan.get(k) for k in FINGERPRINT_PLAN_KEYS},
+        "plan": {k: getattr(spec, k) for k in FINGERPRINT_PLAN_KEYS},
         "settings": settings.result_settings(device=device.type),
         "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
         "sampler": PoissonSampler.SCHEME,
@@ -181,7 +190,7 @@ def run_fingerprint(plan: dict[str, Any], settings: TrainSettings, device: torch
 
 @dataclass(frozen=True)
 class RunMechanism:
-    """The plan's mechanism (`privacy.mechanism`) for one run, with its noise and clipping, checked against the pool."""
+    """The spec's mechanism (`privacy.mechanism`) for one run, with its noise and clipping, checked against the pool."""
 
     mechanism: privacy_mechanism.Mechanism  # method, q, T, G
     sigma: float           # noise multiplier (0: no noise)
@@ -189,21 +198,15 @@ class RunMechanism:
     normalize: bool        # normalized clipping C g / ||g||
 
     @classmethod
-    def from_plan(cls, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings) -> "RunMechanism":
-        try:
-            mech = privacy_mechanism.from_record(plan)
-        except PrivacyError as exc:
-            raise DataError(f"plan for this run: {exc} Rebuild the plan.") from None
-        sigma = float(plan.get("noise_multiplier") or 0.0)
-        clip_norm = None if plan.get("clip_norm") is None else float(plan["clip_norm"])
-        if clip_norm is None and sigma > 0:
-            raise DataError(f"plan for this run has noise_multiplier {sigma} but no clip_norm; rebuild the plan.")
+    def of(cls, spec: RunSpec, pool: TrainingPool, settings: TrainSettings) -> "RunMechanism":
+        mech = spec.mechanism
         if pool.group_size != mech.group_size:
             raise DataError(f"the training pool was bounded with G = {pool.group_size} but the plan says group_size "
                             f"{mech.group_size}.")
         if mech.unit == "users":
             check_uls_fits(mech.group_size, settings.physical_batch_size, settings.uls_examples_per_user)
-        return cls(mech, sigma, clip_norm, plan.get("clipping") == "normalized")
+        clip_norm = None if spec.clip_norm is None else float(spec.clip_norm)
+        return cls(mech, float(spec.noise_multiplier), clip_norm, spec.normalized)
 
     @property
     def method(self) -> str:
@@ -230,18 +233,19 @@ class RunMechanism:
         return pool.n_examples if self.unit_name == "examples" else pool.n_users
 
 
-def _check_expected(plan: dict[str, Any], mech: RunMechanism, n_units: int, expected: float) -> float:
-    """The public constant the noisy sum is divided by: q * N on this pool, or the plan's expected batch when
-    the plan's sizes come from the DP contribution statistics (docs/privacy.md): there q * N_G would depend on
-    the exact pool size N_G, which is not public, while the plan's K / T (ELS) or q_u * N (ULS) is."""
-    if sizes_from_release(plan):
-        planned = float(plan["expected_batch"])
+def divisor_for(spec: RunSpec, mech: RunMechanism, n_units: int, expected: float) -> float:
+    """The public constant the noisy sum is divided by (the spec's `divisor_policy`): q * N on this pool, or the
+    plan's expected batch when the plan's sizes come from the DP contribution statistics (docs/privacy.md): there
+    q * N_G would depend on the exact pool size N_G, which is not public, while the plan's K / T (ELS) or
+    q_u * N (ULS) is."""
+    if spec.divisor_policy == "planned":
+        planned = float(spec.expected_batch)
         if not planned > 0:
             raise DataError(f"plan expected_batch is {planned}; the plan does not fit this pool. Rebuild the plan.")
         return planned  # no comparison with q * N: a message with it would print the exact pool size
     if expected <= 0:
         raise DataError(f"expected batch size q * N = {mech.rate} * {n_units} is 0; the plan does not fit this pool.")
-    planned = plan.get("expected_batch")
+    planned = spec.expected_batch
     if planned is not None and abs(float(planned) - expected) > 1e-3 * max(expected, 1.0):
         log.warning(
             "plan expected_batch %.6g differs from q * N = %.6g on this pool (N = %d %s); dividing by q * N, "
@@ -263,24 +267,32 @@ class StepSums:
     norm_n: int = 0
     nonfinite_units: int = 0  # units dropped for a NaN/inf gradient (they contributed zero)
 
-    def add(self, stats: dict[str, Any]) -> None:
-        """Add one `accumulate` result."""
-        self.loss_sum += float(stats["loss_sum"])
-        self.n_rows += int(stats["n_rows"])
-        k = int(stats["n_units"])
+    def add(self, stats: MicroBatchStats) -> None:
+        """Add one micro-batch's statistics (a gradient source's `accumulate` result)."""
+        self.loss_sum += float(stats.loss_sum)
+        self.n_rows += int(stats.n_rows)
+        k = int(stats.n_units)
         self.n_units += k
-        self.clipped += float(stats.get("clipped_fraction") or 0.0) * k
-        self.nonfinite_units += int(stats.get("nonfinite_units") or 0)
-        norms = stats.get("unit_norms")
-        if norms is not None:
-            t = torch.as_tensor(norms).detach().float().reshape(-1)
+        self.clipped += float(stats.clipped_fraction or 0.0) * k
+        self.nonfinite_units += int(stats.nonfinite_units or 0)
+        if stats.unit_norms is not None:
+            t = torch.as_tensor(stats.unit_norms).detach().float().reshape(-1)
             t = t[torch.isfinite(t)]  # a dropped unit's NaN/inf norm is counted in nonfinite_units instead
             self.norm_sum, self.norm_n = self.norm_sum + float(t.sum()), self.norm_n + int(t.numel())
+
+    def summed_over_ranks(self, dist: distributed.DistContext | None, device: torch.device) -> "StepSums":
+        """The totals over every rank of a data-parallel group (self with one process)."""
+        if dist is None or not dist.active:
+            return self
+        total = StepSums(*distributed.all_reduce_sums(list(astuple(self)), dist, device))
+        total.n_rows, total.n_units, total.norm_n = int(total.n_rows), int(total.n_units), int(total.norm_n)
+        total.nonfinite_units = int(total.nonfinite_units)
+        return total
 
 
 @dataclass
 class StepObservation:
-    """What one step computed, handed to `train(observe=...)`; built (and copied) only when observing.
+    """What one step computed, handed to `train(observe=...)` by the `Observer` step hook.
 
     The hook for tests and audits of the mechanism (tests/test_replay_neighbouring.py): on D and on D
     minus one user, with the same seeds, every step must sample the same other units, draw the same
@@ -300,7 +312,46 @@ class StepObservation:
     nonfinite_units: int
 
 
-def _default_gradient_source() -> Callable[..., Any]:
+class StepHook:
+    """Called by `DPStep` at the points of a step where the mechanism can be observed; this one does nothing.
+
+    before_noise: p.grad holds this rank's clipped sum, before noise. noise_record: a list the noise
+    generator appends the noise it adds to (None: record nothing). after_step: the step's update is
+    applied (step is 1-based).
+    """
+
+    def before_noise(self, params: list[torch.nn.Parameter], dist: distributed.DistContext | None) -> None:
+        pass
+
+    def noise_record(self) -> list[torch.Tensor] | None:
+        return None
+
+    def after_step(self, step: int, selection: StepSelection, sums: StepSums) -> None:
+        pass
+
+
+class Observer(StepHook):
+    """Hands every step's `StepObservation` to `fn` (copies of the clipped sum and the noise)."""
+
+    def __init__(self, fn: Callable[[StepObservation], None]) -> None:
+        self.fn = fn
+        self._clipped: list[torch.Tensor] = []
+        self._noise: list[torch.Tensor] = []
+
+    def before_noise(self, params, dist) -> None:
+        self._clipped = [p.grad.detach().clone() for p in params]
+        if dist is not None and dist.active:
+            distributed.all_reduce_grads_of(self._clipped, dist)
+
+    def noise_record(self) -> list[torch.Tensor]:
+        self._noise = []
+        return self._noise
+
+    def after_step(self, step, selection, sums) -> None:
+        self.fn(StepObservation(step, selection, self._clipped, self._noise or None, sums.nonfinite_units))
+
+
+def _default_gradient_source() -> GradientSourceFactory:
     from .clipping import ClippedGradients
 
     return ClippedGradients
@@ -309,19 +360,19 @@ def _default_gradient_source() -> Callable[..., Any]:
 class DPStep:
     """One DP-SGD step of the mechanism: `sample` -> `clipped_sum` -> `privatize` (Opacus' pre_step order).
 
-    Leaves the privatised update direction (noisy clipped sum / q N) in p.grad
+    Leaves the privatised update direction (noisy clipped sum / divisor) in p.grad
     of every trainable parameter; the optimizer step is the caller's.
     """
 
-    def __init__(self, mech: RunMechanism, pool: TrainingPool, sampler: PoissonSampler, noise: GaussianNoise,
-                 grads: Any, params: list[torch.nn.Parameter], settings: TrainSettings, pad_id: int,
-                 device: torch.device, dist: distributed.DistContext | None, expected: float):
-        self.mech, self.pool, self.sampler, self.noise, self.grads = mech, pool, sampler, noise, grads
-        self.params, self.settings, self.pad_id, self.device, self.dist = params, settings, pad_id, device, dist
-        # The divisor, decided once by `_check_expected`: q N, or the plan's public expected batch with DP
+    def __init__(self, ctx: "RunContext", state: "RunState", grads: GradientSource, divisor: float,
+                 hook: StepHook | None = None):
+        self.ctx, self.grads, self.hook = ctx, grads, hook or StepHook()
+        self.mech, self.pool, self.settings, self.dist = ctx.mech, ctx.pool, ctx.settings, ctx.dist
+        self.sampler, self.noise, self.params = state.sampler, state.noise, state.params
+        # The divisor, decided once by `divisor_for`: q N, or the plan's public expected batch with DP
         # contribution statistics (no fallback to the pool's exact size here).
-        self.expected = float(expected)
-        self.autocast = autocast_context(device, settings.precision)
+        self.expected = float(divisor)
+        self.autocast = autocast_context(ctx.device, ctx.settings.precision)
 
     def sample(self) -> StepSelection:
         """Poisson-sample units; their rows (ULS with uls_examples_per_user: a random k per user)."""
@@ -338,48 +389,32 @@ class DPStep:
             else:
                 p.grad.zero_()
         sums = StepSums()
-        s = self.settings
-        micro_batches = pack_micro_batches(self.pool, sel, s.physical_batch_size, s.sequence_length, self.pad_id)
+        s, device = self.settings, self.ctx.device
+        micro_batches = pack_micro_batches(self.pool, sel, s.physical_batch_size, s.sequence_length, self.ctx.pad_id)
         # With several processes every rank packed the same micro-batches; it processes its share.
         for mb in distributed.my_share(micro_batches, self.dist):
             with self.autocast:
-                sums.add(self.grads.accumulate(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                                               mb.unit_ids.to(self.device), mb.row_weights.to(self.device)))
+                sums.add(self.grads.accumulate(mb.input_ids.to(device), mb.attention_mask.to(device),
+                                               mb.unit_ids.to(device), mb.row_weights.to(device)))
         return sums
 
-    def privatize(self, sums: StepSums, observed: dict[str, Any] | None = None) -> StepSums:
-        """Noise once (rank 0), sum over ranks, divide by the expected size q N; the step's total sums.
-
-        observed: when a dict, it receives "clipped_sum" (summed over ranks, before noise) and "noise"
-        (rank 0's draws, or None) for StepObservation; None (the default) copies nothing.
-        """
-        dist = self.dist
-        noise: list[torch.Tensor] | None = None
-        if observed is not None:
-            clipped = [p.grad.detach().clone() for p in self.params]
-            if dist is not None and dist.active:
-                distributed.all_reduce_grads_of(clipped, dist)
-            observed["clipped_sum"] = clipped
-            noise = []
-        if dist is None or dist.is_main:
+    def privatize(self, sums: StepSums) -> StepSums:
+        """Noise once (rank 0), sum over ranks, divide by the expected size q N; the step's total sums."""
+        self.hook.before_noise(self.params, self.dist)
+        if self.ctx.main:
             # Noise once per step: with several processes rank 0 adds it to its partial sum
             # and the all-reduce below hands every rank the same noisy total.
-            self.noise.add_(self.params, record=noise)
-        if observed is not None:
-            observed["noise"] = noise or None
-        if dist is not None and dist.active:
-            distributed.all_reduce_grads(self.params, dist)
-            total = distributed.all_reduce_sums(list(astuple(sums)), dist, self.device)
-            sums = StepSums(*total)
-            sums.n_rows, sums.n_units, sums.norm_n = int(sums.n_rows), int(sums.n_units), int(sums.norm_n)
-            sums.nonfinite_units = int(sums.nonfinite_units)
+            self.noise.add_(self.params, record=self.hook.noise_record())
+        if self.dist is not None and self.dist.active:
+            distributed.all_reduce_grads(self.params, self.dist)
+        sums = sums.summed_over_ranks(self.dist, self.ctx.device)
         for p in self.params:
             p.grad.div_(self.expected)
         return sums
 
-    def __call__(self, observed: dict[str, Any] | None = None) -> tuple[StepSelection, StepSums]:
+    def __call__(self) -> tuple[StepSelection, StepSums]:
         sel = self.sample()
-        return sel, self.privatize(self.clipped_sum(sel), observed)
+        return sel, self.privatize(self.clipped_sum(sel))
 
     def update_norms(self) -> tuple[float, float]:
         """(||u||, its noise-corrected estimate) of the privatised update u in p.grad (step_log.signal_norm).
@@ -517,9 +552,10 @@ class StopOnSigterm:
     after the step in progress, save the checkpoint atomically and exit with 128 + SIGTERM, so that the
     resubmitted job resumes there instead of from the last periodic checkpoint. Only in the main thread of a
     single-process run (data-parallel ranks stop at different steps; they keep the previous handler).
-    A previous handler that is a Python function is called too, so that a caller running several runs in
-    turn (finetune_job.launch_sweep, which holds one of these between runs) learns of a SIGTERM that arrived
-    in the last step of a run that then completed."""
+    A previous handler that is another StopOnSigterm's is called too, so that a caller running several runs
+    in turn (finetune_job.launch_sweep, which holds one of these between runs) learns of a SIGTERM that
+    arrived in the last step of a run that then completed. Any other handler (errors.run_main's, which stops
+    the job at once) is not: it would stop the step in progress before the checkpoint is saved."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
@@ -528,7 +564,7 @@ class StopOnSigterm:
 
     def _handler(self, signum: int, frame: object) -> None:
         self.requested = True
-        if callable(self._previous):
+        if isinstance(getattr(self._previous, "__self__", None), StopOnSigterm):
             self._previous(signum, frame)
 
     def __enter__(self) -> "StopOnSigterm":
@@ -541,40 +577,81 @@ class StopOnSigterm:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def train(
-    model: torch.nn.Module,
-    pool: TrainingPool,
-    plan: dict[str, Any],
-    settings: TrainSettings,
-    paths: RunPaths,
-    seeds: dict[str, int],
-    pad_id: int,
-    *,
-    gradient_source: Callable[..., Any] | None = None,
-    compute_epsilon: Callable[..., float] | None = None,
-    max_steps: int | None = None,
-    on_step: Callable[[int, dict], None] | None = None,
-    dist: distributed.DistContext | None = None,
-    observe: Callable[[StepObservation], None] | None = None,
-) -> TrainOutcome:
-    """Run (or resume) DP fine-tuning of `model` on `pool` with the mechanism in `plan`.
+@dataclass(frozen=True)
+class RunContext:
+    """What every phase of one run reads: its spec and mechanism, its data, settings, files and placement."""
 
-    gradient_source: a factory `(model, clip_norm, normalize=...)` returning an
-    object with `accumulate(input_ids, attention_mask, unit_ids, row_weights)`
-    (default: userdp.training.clipping.ClippedGradients).
-    compute_epsilon: the ledger's accountant, `(dp event, delta) -> epsilon`
-    (default: userdp.privacy.accounting.epsilon; tests pass a fast stand-in).
-    max_steps: stop after this many steps in this invocation (checkpointing
-    first); the run then reports complete=False and writes no final outputs.
-    on_step: called after every step with (step, log row); an exception in it
-    interrupts the run like a crash would.
-    dist: this process's rank in a data-parallel group (default: taken from an
-    initialised torch.distributed process group; None = one process).
-    observe: called after every step, on every rank, with its StepObservation
-    (sampled units, clipped sum before noise, the noise); None (the default)
-    builds and copies nothing.
+    spec: RunSpec
+    mech: RunMechanism
+    pool: TrainingPool
+    settings: TrainSettings
+    paths: RunPaths
+    pad_id: int
+    device: torch.device
+    dist: distributed.DistContext | None
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes files and adds the noise (rank 0, or the only process)."""
+        return self.dist is None or self.dist.is_main
+
+    def withheld(self, value: Any) -> Any:
+        """`value`, or None when the plan's sizes come from the DP contribution statistics: sizes of the pool and
+        the realised compute are then statistics of the counts (with q and T they would give back N_G)."""
+        return None if self.spec.sizes_from_release else value
+
+
+@dataclass
+class Run:
+    """One prepared run: its context, the state it advances, its step, and the keys of its checkpoint
+    (`fingerprint`) and of its finished record (`done_key`)."""
+
+    ctx: RunContext
+    state: RunState
+    step: DPStep
+    seeds: dict[str, Any]
+    fingerprint: str
+    done_key: str
+    saved_at: int = 0  # the step of the last checkpoint written (or resumed from) in this invocation
+
+
+def train(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec | dict[str, Any], settings: TrainSettings,
+          paths: RunPaths, seeds: dict[str, Any], pad_id: int, *, gradient_source: GradientSourceFactory | None = None,
+          compute_epsilon: Callable[..., float] | None = None, max_steps: int | None = None,
+          on_step: Callable[[int, dict], None] | None = None, dist: distributed.DistContext | None = None,
+          observe: Callable[[StepObservation], None] | None = None) -> TrainOutcome:
+    """Run (or resume) DP fine-tuning of `model` on `pool` with the mechanism of `spec` (a RunSpec or its record).
+
+    The run's phases, in order: `prepare` -> `restore_finished` (a run that finished before: its outputs are
+    linked back, nothing trains) or `resume_or_start` (its checkpoint, or the torch seed) -> `loop` -> `finish`
+    (model, log, ledger) or `interrupt` (checkpoint saved; `Preempted` on SIGTERM, the job exits 143).
+
+    gradient_source: `(model, clip_norm, normalize=...) -> GradientSource` (default: clipping.ClippedGradients).
+    compute_epsilon: the ledger's accountant, `(dp event, delta) -> epsilon` (default: the PLD accountant;
+    tests pass a fast stand-in). max_steps: stop after this many steps in this invocation (checkpointing first);
+    the run then reports complete=False and writes no final outputs. on_step: called after every step with
+    (step, log row); an exception in it interrupts the run like a crash would. dist: this process's rank in a
+    data-parallel group (default: an initialised torch.distributed group; None = one process). observe: called
+    after every step, on every rank, with its StepObservation (the `Observer` hook); None copies nothing.
     """
-    mech = RunMechanism.from_plan(plan, pool, settings)
+    hook = Observer(observe) if observe is not None else None
+    run = prepare(model, pool, RunSpec.from_record(spec), settings, paths, seeds, pad_id, dist, gradient_source,
+                  hook)
+    restored = restore_finished(run)
+    if restored is not None:
+        return restored
+    resume_or_start(run)
+    stopped = loop(run, max_steps, on_step)
+    if run.state.step < run.ctx.mech.steps:
+        return interrupt(run, stopped)
+    return finish(run, compute_epsilon)
+
+
+def prepare(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: TrainSettings, paths: RunPaths,
+            seeds: dict[str, Any], pad_id: int, dist: distributed.DistContext | None,
+            gradient_source: GradientSourceFactory | None, hook: StepHook | None) -> Run:
+    """Place the model, draw secret seeds, build the state, the step and the run's keys (nothing trains yet)."""
+    mech = RunMechanism.of(spec, pool, settings)
     dist = distributed.current_context() if dist is None else dist
     device = distributed.rank_device(settings.device, dist) if dist is not None else resolve_device(settings.device)
     model.to(device)
@@ -583,82 +660,107 @@ def train(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if seeds.get("secret"):
-        # Fresh entropy at every start; a resumed run restores the sampler's and
-        # the noise's RNG states from its checkpoint below, so it continues the
-        # same secret streams. Only the checkpoint (deleted at the end) holds them.
+        # Fresh entropy at every start; a resumed run restores the sampler's and the noise's RNG states from its
+        # checkpoint, so it continues the same secret streams. Only the checkpoint (deleted at the end) holds them.
         seeds = draw_secret_seeds(seeds, dist, device)
+    ctx = RunContext(spec, mech, pool, settings, paths, pad_id, device, dist)
     n_units = mech.n_units(pool)
-    run = RunState(model, mech, pool, settings, seeds, device)
-    divisor = _check_expected(plan, mech, n_units, run.sampler.expected_size)
+    state = RunState(model, mech, pool, settings, seeds, device)
+    divisor = divisor_for(spec, mech, n_units, state.sampler.expected_size)
     grads = (gradient_source or _default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
-    dp_step = DPStep(mech, pool, run.sampler, run.noise, grads, run.params, settings, pad_id, device, dist,
-                     expected=divisor)
-    fp = run_fingerprint(plan, settings, device, seeds, pool, model, n_units)
-    # A finished attempt whose outputs snakemake never recorded (it was killed): link them back, do not retrain.
-    main = dist is None or dist.is_main
-    # Its key covers everything the outputs depend on, beyond what a resume needs (fp: the result-changing
-    # settings): the whole plan (the ledger's accounting fields), debug_step_log (which columns are released) and
-    # the adapter's settings (LoRA alpha and dropout add no tensors to the model digest).
-    done_key = ckpt.fingerprint({"resume": fp, "plan": without_timing(plan), "debug_step_log": settings.debug_step_log,
+    fp = run_fingerprint(spec, settings, device, seeds, pool, model, n_units)
+    # The finished record's key covers everything the outputs depend on, beyond what a resume needs (fp: the
+    # result-changing settings): the whole plan (the ledger's accounting fields), debug_step_log (which columns
+    # are released) and the adapter's settings (LoRA alpha and dropout add no tensors to the model digest).
+    done_key = ckpt.fingerprint({"resume": fp, "plan": spec.without_timing(), "debug_step_log": settings.debug_step_log,
                                  "adapter": _adapter_record(model)})
-    if distributed.broadcast_object(finished.restore(paths.run_dir, done_key, paths.log) if main else None,
-                                    dist, device):
-        if main:
-            ckpt.remove_checkpoint(paths.checkpoint_dir)
-        ledger = read_json(paths.ledger)
-        return TrainOutcome(True, int(ledger["steps_completed"]), ledger, read_frame(paths.train_log))
-    if (saved := ckpt.load_checkpoint(paths.checkpoint_dir, fp)) is not None:
-        run.load_state_dict(saved)
-        log.info("resumed from checkpoint at step %d/%d (%s)", run.step, mech.steps, paths.checkpoint_dir)
+    return Run(ctx, state, DPStep(ctx, state, grads, divisor, hook), seeds, fp, done_key)
+
+
+def restore_finished(run: Run) -> TrainOutcome | None:
+    """A finished attempt whose outputs snakemake never recorded (it was killed): its outputs linked back and
+    its outcome; None when there is none (or it does not match this run's key)."""
+    ctx = run.ctx
+    found = finished.restore(ctx.paths.run_dir, run.done_key, ctx.paths.log) if ctx.main else None
+    if not distributed.broadcast_object(found, ctx.dist, ctx.device):
+        return None
+    if ctx.main:
+        ckpt.remove_checkpoint(ctx.paths.checkpoint_dir)
+    ledger = read_json(ctx.paths.ledger)
+    return TrainOutcome(True, int(ledger["steps_completed"]), ledger, read_frame(ctx.paths.train_log))
+
+
+def resume_or_start(run: Run) -> None:
+    """Continue from the run's checkpoint when one matches its fingerprint; otherwise seed torch for step 1."""
+    ctx = run.ctx
+    saved = ckpt.load_checkpoint(ctx.paths.checkpoint_dir, run.fingerprint)
+    if saved is not None:
+        run.state.load_state_dict(saved)
+        log.info("resumed from checkpoint at step %d/%d (%s)", run.state.step, ctx.mech.steps,
+                 ctx.paths.checkpoint_dir)
     else:
-        torch.manual_seed(seeds["torch"])
+        torch.manual_seed(run.seeds["torch"])
 
-    def save() -> None:
-        if dist is None or dist.is_main:  # every rank holds the same state; rank 0 writes it
-            ckpt.save_checkpoint(paths.checkpoint_dir, {"fingerprint": fp, **run.state_dict()})
 
+def _save_checkpoint(run: Run) -> None:
+    if run.ctx.main:  # every rank holds the same state; rank 0 writes it
+        ckpt.save_checkpoint(run.ctx.paths.checkpoint_dir, {"fingerprint": run.fingerprint, **run.state.state_dict()})
+
+
+def _log_start(run: Run) -> None:
+    ctx, mech = run.ctx, run.ctx.mech
     # With DP contribution statistics the pool's exact size N_G is a statistic of the counts: not logged.
-    pool_size = "withheld (DP contribution statistics)" if sizes_from_release(plan) else str(pool.n_examples)
+    pool_size = ctx.withheld(str(ctx.pool.n_examples)) or "withheld (DP contribution statistics)"
     log.info("training %s: T=%d q=%.6g expected %s=%.2f sigma=%.4g C=%s G=%d pool=%s examples/%d users lr=%g "
-             "device=%s processes=%d", mech.method, mech.steps, mech.rate, mech.unit_name, dp_step.expected,
-             mech.sigma, mech.clip_norm, mech.group_size, pool_size, pool.n_users, settings.learning_rate,
-             device, dist.world_size if dist is not None else 1)
+             "device=%s processes=%d", mech.method, mech.steps, mech.rate, mech.unit_name, run.step.expected,
+             mech.sigma, mech.clip_norm, mech.group_size, pool_size, ctx.pool.n_users, ctx.settings.learning_rate,
+             ctx.device, ctx.dist.world_size if ctx.dist is not None else 1)
+
+
+def loop(run: Run, max_steps: int | None, on_step: Callable[[int, dict], None] | None) -> bool:
+    """Train until step T, SIGTERM or `max_steps` steps of this invocation; True when SIGTERM stopped it.
+
+    Checkpoints every training.checkpoint_every steps (and checks that data-parallel replicas agree there).
+    """
+    ctx, state, dp_step = run.ctx, run.state, run.step
+    _log_start(run)
     unchecked = True  # the first update at a learning rate > 0 in this invocation must move a parameter
-    progress, done_now, saved_at = _Progress(mech.steps, settings.log_every_s, settings.debug_step_log), 0, run.step
-    with StopOnSigterm(enabled=dist is None) as stop:
-        while run.step < mech.steps and not stop.requested and (max_steps is None or done_now < max_steps):
+    progress, done_now = _Progress(ctx.mech.steps, ctx.settings.log_every_s, ctx.settings.debug_step_log), 0
+    run.saved_at = state.step
+    with StopOnSigterm(enabled=ctx.dist is None) as stop:
+        while state.step < ctx.mech.steps and not stop.requested and (max_steps is None or done_now < max_steps):
             t0 = time.monotonic()
-            observed: dict[str, Any] | None = None if observe is None else {}
-            sel, sums = dp_step(observed)
+            sel, sums = dp_step()
             norms = dp_step.update_norms()  # before the optimizer step, which may touch p.grad
-            before = _fingerprints(run.params) if unchecked else None
-            row = run.record(sel, sums, run.update(), time.monotonic() - t0, norms)
+            before = _fingerprints(state.params) if unchecked else None
+            row = state.record(sel, sums, state.update(), time.monotonic() - t0, norms)
             if before is not None and row["learning_rate"] > 0:  # a zero rate (warm-up, replay tests) moves nothing
-                _check_moved(run.params, before, run.step)
+                _check_moved(state.params, before, state.step)
                 unchecked = False
             done_now += 1
             if on_step is not None:
-                on_step(run.step, row)
-            if observe is not None:
-                observe(StepObservation(run.step, sel, observed["clipped_sum"], observed["noise"],
-                                        sums.nonfinite_units))
-            if run.step % settings.checkpoint_every == 0 and run.step < mech.steps:
-                save()
-                saved_at = run.step
-                distributed.check_replicas(run.params, dist, device)
-            progress(run, done_now)
-    if run.step < mech.steps:
-        if saved_at != run.step:
-            save()
-        distributed.broadcast_object(None, dist, device)  # no rank returns before the checkpoint is written
-        if stop.requested:
-            log.warning("SIGTERM: stopped after step %d/%d; checkpoint saved, the resubmitted job resumes from it",
-                        run.step, mech.steps)
-            raise SystemExit(128 + signal.SIGTERM)
-        log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", run.step, mech.steps)
-        return TrainOutcome(False, run.step, None, run.frame())
-    return _finish(run, plan, pool, settings, paths, seeds, device, dist, compute_epsilon, dp_step.expected,
-                   done_key)
+                on_step(state.step, row)
+            dp_step.hook.after_step(state.step, sel, sums)
+            if state.step % ctx.settings.checkpoint_every == 0 and state.step < ctx.mech.steps:
+                _save_checkpoint(run)
+                run.saved_at = state.step
+                distributed.check_replicas(state.params, ctx.dist, ctx.device)
+            progress(state, done_now)
+    return stop.requested
+
+
+def interrupt(run: Run, sigterm: bool) -> TrainOutcome:
+    """Before step T: save the checkpoint (unless this step's is saved); `Preempted` on SIGTERM."""
+    ctx, state = run.ctx, run.state
+    if run.saved_at != state.step:
+        _save_checkpoint(run)
+    distributed.broadcast_object(None, ctx.dist, ctx.device)  # no rank returns before the checkpoint is written
+    if sigterm:
+        log.warning("SIGTERM: stopped after step %d/%d; checkpoint saved, the resubmitted job resumes from it",
+                    state.step, ctx.mech.steps)
+        raise Preempted(f"stopped by SIGTERM after step {state.step}/{ctx.mech.steps}; checkpoint saved")
+    log.info("stopped at step %d/%d; checkpoint saved, rerun to resume", state.step, ctx.mech.steps)
+    return TrainOutcome(False, state.step, None, state.frame())
 
 
 def _adapter_record(model: torch.nn.Module) -> dict[str, Any] | None:
@@ -692,60 +794,53 @@ def _check_moved(params: list[torch.Tensor], before: torch.Tensor, step: int) ->
                            "model's trainable parameters.")
 
 
-def _finish(run: RunState, plan: dict[str, Any], pool: TrainingPool, settings: TrainSettings, paths: RunPaths,
-            seeds: dict[str, Any], device: torch.device, dist: distributed.DistContext | None,
-            compute_epsilon: Callable[..., float] | None, divisor: float, done_key: str) -> TrainOutcome:
-    """After the last step: rank 0 writes model, log and ledger, records them (`finished`, under `done_key`),
-    then deletes the checkpoint.
-
-    `divisor` is the expected batch the noisy sums were divided by. With DP contribution statistics the
-    ledger leaves out the pool's exact sizes (N_G and the examples before bounding): statistics of the counts.
-    """
-    frame = run.frame()
-    distributed.check_replicas(run.params, dist, device)
-    if not (dist is None or dist.is_main):
-        # Rank 0 writes the outputs; the broadcast returns once they are complete.
-        ledger = distributed.broadcast_object(None, dist, device)
-        return TrainOutcome(True, run.step, ledger, frame)
-    # With DP contribution statistics the pool's sizes and the realised compute stay out of the ledger: with the
-    # sampling rate and the step count, the examples processed would give back N_G.
-    private_sizes = sizes_from_release(plan)
-    withheld = (lambda value: None if private_sizes else value)
-    ledger = build_ledger(
-        plan, steps_completed=run.step, expected_batch=divisor, n_train_users=pool.n_users,
-        n_pool_examples=withheld(pool.n_examples), examples_processed=withheld(run.examples_processed),
-        users_processed=withheld(run.users_processed), learning_rate=settings.learning_rate, training=asdict(settings),
-        seeds=public_seeds(seeds), resumed_at=run.resumed_at, compute_epsilon=compute_epsilon,
-    )
-    ledger["n_examples_before_bounding"] = withheld(pool.n_examples_before_bounding)
-    ledger["device"] = str(device)
-    ledger["precision"] = settings.precision if device.type == "cuda" else "fp32"
-    ledger["processes"] = dist.world_size if dist is not None else 1
-    # What trained: every parameter, or LoRA adapters (noise and clipping cover exactly these coordinates).
-    ledger["trainable_parameters"] = sum(p.numel() for p in run.params)
-    ledger["adapter"] = _adapter_record(run.model)
-    # Units dropped for a NaN/inf gradient (they contributed zero: clipping.py). A noise-free count of the
-    # sampled users' data, so like the per-step log it is released only with training.debug_step_log.
-    dropped = sum(int(r.get("nonfinite_units", 0)) for r in run.rows)
-    ledger["nonfinite_units"] = dropped if settings.debug_step_log else None
-    if dropped and settings.debug_step_log:
+def run_facts(run: Run) -> RunFacts:
+    """What the finished run did, for its ledger (sizes withheld with DP contribution statistics)."""
+    ctx, state = run.ctx, run.state
+    # Units dropped for a NaN/inf gradient (they contributed zero: clipping.py): released only with
+    # training.debug_step_log, like the per-step log.
+    dropped = sum(int(r.get("nonfinite_units", 0)) for r in state.rows)
+    if dropped and ctx.settings.debug_step_log:
         log.warning("%d sampled unit(s) had a non-finite gradient and contributed nothing [%s: outside the "
                     "guarantee]", dropped, step_log.KEY)
-    save_model_atomic(run.model, paths.model_dir)
+    return RunFacts(
+        steps_completed=state.step, expected_batch=run.step.expected, n_train_users=ctx.pool.n_users,
+        learning_rate=ctx.settings.learning_rate, training=asdict(ctx.settings), seeds=public_seeds(run.seeds),
+        resumed_at=tuple(state.resumed_at), n_pool_examples=ctx.withheld(ctx.pool.n_examples),
+        examples_processed=ctx.withheld(state.examples_processed), users_processed=ctx.withheld(state.users_processed),
+        n_examples_before_bounding=ctx.withheld(ctx.pool.n_examples_before_bounding), device=str(ctx.device),
+        precision=ctx.settings.precision if ctx.device.type == "cuda" else "fp32",
+        processes=ctx.dist.world_size if ctx.dist is not None else 1,
+        trainable_parameters=sum(p.numel() for p in state.params), adapter=_adapter_record(state.model),
+        nonfinite_units=dropped if ctx.settings.debug_step_log else None,
+    )
+
+
+def finish(run: Run, compute_epsilon: Callable[..., float] | None) -> TrainOutcome:
+    """After step T: rank 0 writes model, log and ledger, records them (`finished`, under the run's done_key),
+    then deletes the checkpoint; other ranks wait for the ledger."""
+    ctx, state = run.ctx, run.state
+    frame = state.frame()
+    distributed.check_replicas(state.params, ctx.dist, ctx.device)
+    if not ctx.main:
+        return TrainOutcome(True, state.step, distributed.broadcast_object(None, ctx.dist, ctx.device), frame)
+    ledger = build_ledger(ctx.spec, run_facts(run), compute_epsilon)
+    paths = ctx.paths
+    save_model_atomic(state.model, paths.model_dir)
     # Per-step noise-free values (batch loss, realised sizes, timing) only with training.debug_step_log.
-    write_parquet(paths.train_log, frame[step_log.released_columns(settings.debug_step_log)])
+    write_parquet(paths.train_log, frame[step_log.released_columns(ctx.settings.debug_step_log)])
     write_json(paths.ledger, ledger)
     # Outputs are complete: record them, so a rerun snakemake asks for (it was killed before recording them)
     # restores instead of retraining; the checkpoint is no longer needed (as large as model + optimizer state,
     # and it holds the secret noise state).
     try:
-        finished.record(paths.run_dir, [paths.model_dir, paths.train_log, paths.ledger], done_key, paths.log)
+        finished.record(paths.run_dir, [paths.model_dir, paths.train_log, paths.ledger], run.done_key, paths.log)
     except OSError as exc:  # the outputs are complete; without the record a rerun would only train again
         log.warning("could not record the finished outputs in %s (%s); the run is complete, but if snakemake "
                     "reruns it (e.g. after being killed) it trains again", paths.run_dir / "finished", exc)
     ckpt.remove_checkpoint(paths.checkpoint_dir)
-    distributed.broadcast_object(ledger, dist, device)
-    log.info("run complete: %d steps, epsilon %.4g, realised compute %s", run.step, ledger["epsilon"],
-             "withheld (DP contribution statistics)" if private_sizes else
-             f"{run.examples_processed} examples ({ledger['compute_ratio'] or math.nan:.3f} of budget)")
-    return TrainOutcome(True, run.step, ledger, frame)
+    distributed.broadcast_object(ledger, ctx.dist, ctx.device)
+    log.info("run complete: %d steps, epsilon %.4g, realised compute %s", state.step, ledger["epsilon"],
+             "withheld (DP contribution statistics)" if ctx.spec.sizes_from_release else
+             f"{state.examples_processed} examples ({ledger['compute_ratio'] or math.nan:.3f} of budget)")
+    return TrainOutcome(True, state.step, ledger, frame)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -27,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, run_main
-from ..io import read_json
+from ..errors import ConfigError, Preempted, run_main
 from ..layout import EVAL, RUN_MODEL
 from ..privacy import seed_secrecy
+from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
 from . import distributed, engine, models, pool
 from .settings import TrainSettings
@@ -73,35 +72,75 @@ def clear_stale_outputs(run_dir: Path) -> None:
         log.info("removed %s: left by an earlier model of this run", ", ".join(str(p) for p in stale))
 
 
+def bounding_seed(config_seed: int, dataset: str, run_seed: int, group_size: int) -> int:
+    """The seed of the bounded subset (each user's G examples): it depends on the dataset, G and the run seed
+    only, so ELS and ULS runs with the same G see the same examples."""
+    return derive_seed(config_seed, dataset, int(run_seed), int(group_size), "bounding")
+
+
+def load_base_model(name: str, tokenizer: Any, lora: dict | None, config_seed: int) -> torch.nn.Module:
+    """The base model to fine-tune, checked against the tokenizer, with LoRA adapters when `lora` is set
+    (only they train; their init is public: lora_B = 0)."""
+    model = models.load_model(name)
+    vocab = model.get_input_embeddings().num_embeddings
+    if vocab < len(tokenizer):
+        raise ConfigError(
+            f"model {name} has {vocab} token embeddings but the tokenizer has {len(tokenizer)} tokens; set "
+            f"tokenizer.name to the model's own tokenizer (model.name {name!r})."
+        )
+    return models.apply_lora(model, lora, derive_seed(config_seed, "lora_init"))
+
+
+@dataclass
+class RunInputs:
+    """One run's loaded inputs (the pipeline's job and userdp.fine_tune build the same): its spec, bounded pool,
+    tokenizer, base model name, run folder, cell and learning rate, and where its seeds come from."""
+
+    config: dict[str, Any]
+    spec: RunSpec
+    pool: pool.TrainingPool
+    tokenizer: Any
+    model: str
+    run_dir: str
+    learning_rate: float
+    dataset: str
+    method: str
+    eps: str
+    budget: int | str
+    seed: int
+    secret: bool
+    log: str | None = None
+    trial: int | None = None
+
+
+def train_run(run: RunInputs, dist: distributed.DistContext | None = None) -> engine.TrainOutcome:
+    """Fine-tune the base model on the pool with the spec's mechanism (engine.train) into the run folder."""
+    config = run.config
+    model = load_base_model(run.model, run.tokenizer, config["model"].get("lora"), config["seed"])
+    settings = TrainSettings.from_config(config, float(run.learning_rate))
+    seeds = engine.run_seeds(config["seed"], int(run.seed), run.dataset, run.method, run.eps, run.budget,
+                             run.spec.group_size, float(run.learning_rate), secret=run.secret, trial=run.trial)
+    pad_id = models.special_ids(run.tokenizer)["pad_token_id"]
+    return engine.train(model, run.pool, run.spec, settings, engine.RunPaths(run.run_dir, run.log), seeds, pad_id,
+                        dist=dist)
+
+
 def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> engine.TrainOutcome:
     """Load the inputs and train (one process, or this rank of a data-parallel group)."""
     config = job.config
     if dist is None or dist.is_main:
         clear_stale_outputs(Path(job.run_dir))
-    plan = read_json(job.plan)
-    G = int(plan["group_size"])
-    # The bounded subset depends on the dataset, G and the run seed only, so
-    # ELS and ULS runs with the same G see the same examples.
-    bound_seed = derive_seed(config["seed"], job.dataset, int(job.seed), G, "bounding")
-    train_pool = pool.load_train_pool(job.tokens, G, bound_seed)  # streamed: tokens of kept rows only
+    spec = RunSpec.load(job.plan)
+    seed = bounding_seed(config["seed"], job.dataset, job.seed, spec.group_size)
+    train_pool = pool.load_train_pool(job.tokens, spec.group_size, seed)  # streamed: tokens of kept rows only
     tokenizer = models.load_tokenizer(job.tokenizer)  # tokenizer.json or its folder
-    pad_id = models.special_ids(tokenizer)["pad_token_id"]
-    model = models.load_model(job.model)
-    vocab = model.get_input_embeddings().num_embeddings
-    if vocab < len(tokenizer):
-        raise ConfigError(
-            f"model {job.model} has {vocab} token embeddings but the tokenizer in results/tokenizer has "
-            f"{len(tokenizer)} tokens; set tokenizer.name to the model's own tokenizer (model.name {job.model!r})."
-        )
-    # LoRA (model.lora): adapters on the base, only they trainable; their init is public (lora_B = 0).
-    model = models.apply_lora(model, config["model"].get("lora"), derive_seed(config["seed"], "lora_init"))
-    settings = TrainSettings.from_config(config, float(job.learning_rate))
-    seeds = engine.run_seeds(config["seed"], int(job.seed), job.dataset, job.method, job.eps, job.budget, G,
-                             float(job.learning_rate), secret=seed_secrecy.secret_seeds(config, job.dataset),
-                             trial=job.trial)
-    outcome = engine.train(model, train_pool, plan, settings, engine.RunPaths(job.run_dir, job.log), seeds, pad_id, dist=dist)
+    outcome = train_run(RunInputs(
+        config=config, spec=spec, pool=train_pool, tokenizer=tokenizer, model=job.model, run_dir=job.run_dir,
+        learning_rate=job.learning_rate, dataset=job.dataset, method=job.method, eps=job.eps, budget=job.budget,
+        seed=job.seed, secret=seed_secrecy.secret_seeds(config, job.dataset), log=job.log, trial=job.trial,
+    ), dist)
     if not outcome.complete:
-        raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{plan['steps']}")
+        raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{spec.steps}")
     return outcome
 
 
@@ -136,8 +175,9 @@ def launch_sweep(jobs: list[FinetuneJob], processes: int) -> None:
     ledger and log are those it would have as the only rate (tests/test_train_sweep.py). A run that finished
     before (its finished/ record) is restored instead of trained. The first failure stops the job, and so does
     a SIGTERM (SLURM's preemption and time-limit signal): a run in progress saves its checkpoint and exits 143
-    (engine), and one that arrives while a run completes, or between runs, exits 143 before the next run
-    starts (in one process; under torchrun the workers handle it).
+    (engine.train raises errors.Preempted, which the job turns into that exit code), and one that arrives while
+    a run completes, or between runs, raises Preempted before the next run starts (in one process; under
+    torchrun the workers handle it).
     """
     # Records a SIGTERM between runs; while a run trains, the engine's handler takes over and passes it on.
     with engine.StopOnSigterm(enabled=processes <= 1 and len(jobs) > 1) as stop:
@@ -145,7 +185,7 @@ def launch_sweep(jobs: list[FinetuneJob], processes: int) -> None:
             if stop.requested:
                 log.warning("SIGTERM: stopping before learning rate %d/%d (%s); the finished runs are recorded, "
                             "the rerun restores them and trains the rest", i, len(jobs), job.learning_rate)
-                raise SystemExit(128 + signal.SIGTERM)
+                raise Preempted(f"SIGTERM before learning rate {i}/{len(jobs)}")
             if len(jobs) > 1:
                 log.info("learning rate %d/%d: %s -> %s", i, len(jobs), job.learning_rate, job.run_dir)
             launch(job, processes)

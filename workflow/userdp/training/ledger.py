@@ -17,10 +17,11 @@ composes it with the steps, as the plan's calibration did.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 #: Ledger fields that define the mechanism a run executed: runs that differ in any of them are different
 #: mechanisms (learning-rate selection refuses to compose such runs as one cell's).
@@ -80,77 +81,90 @@ def guarantee_epsilon(run_events: list, delta: float | None, contribution_stats:
     return float((accountant or selection.epsilon)(event, float(delta)))
 
 
-def build_ledger(
-    plan: dict[str, Any],
-    *,
-    steps_completed: int,
-    expected_batch: float,
-    n_train_users: int,
-    n_pool_examples: int | None,
-    examples_processed: int | None,
-    users_processed: int | None,
-    learning_rate: float,
-    training: dict[str, Any],
-    seeds: dict[str, int],
-    resumed_at: list[int],
-    compute_epsilon: Callable[..., float] | None = None,
-) -> dict[str, Any]:
-    """The ledger.json record of a run (fields: docs/artifacts.md, "Runs").
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What a run did, beside its spec: the ledger's run-dependent fields (docs/artifacts.md, "Runs").
 
-    `dp_event` is the event of the steps that ran (the plan's mechanism for
-    `steps_completed` steps); `epsilon` is recomputed from it by the
+    Sizes that are statistics of the train users' counts (`n_pool_examples`, `examples_processed`,
+    `users_processed`, `n_examples_before_bounding`) are None when the plan's sizes come from the DP
+    contribution statistics; `nonfinite_units` is None unless training.debug_step_log releases it.
+    """
+
+    steps_completed: int
+    expected_batch: float            # the divisor the noisy sums were divided by
+    n_train_users: int
+    learning_rate: float
+    training: Mapping[str, Any]      # TrainSettings as a dict
+    seeds: Mapping[str, Any]         # public seeds (secret ones masked)
+    resumed_at: tuple[int, ...] = ()
+    n_pool_examples: int | None = None
+    examples_processed: int | None = None
+    users_processed: int | None = None
+    n_examples_before_bounding: int | None = None
+    device: str = "cpu"
+    precision: str = "fp32"
+    processes: int = 1
+    trainable_parameters: int | None = None
+    adapter: Mapping[str, Any] | None = None
+    nonfinite_units: int | None = None
+
+
+def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., float] | None = None) -> dict[str, Any]:
+    """The ledger.json record of a run of `spec` (a RunSpec; fields: docs/artifacts.md, "Runs").
+
+    `dp_event` is the event of the steps that ran (the spec's mechanism for
+    `facts.steps_completed` steps); `epsilon` is recomputed from it by the
     accountant (`compute_epsilon`: `(event, delta) -> epsilon`), composed with
     the DP contribution statistics when the plan spent part of its budget on them.
     """
     from ..privacy import mechanism, seed_secrecy
 
-    noise = float(plan.get("noise_multiplier") or 0.0)
-    delta = float(plan["delta"])
-    stats = plan.get("contribution_stats")
-    event = mechanism.from_record(plan).dp_event(noise, int(steps_completed))
-    eps = guarantee_epsilon([event], delta, stats, compute_epsilon)
-    budget = plan.get("compute_budget")
+    stats = spec.contribution_stats
+    event = spec.event_of_steps(facts.steps_completed)
+    eps = guarantee_epsilon([event], spec.delta, stats, compute_epsilon)
+    budget, done = spec.compute_budget, facts.examples_processed
+    training = facts.training
     ledger = {
-        "method": plan["method"],
-        "sampling_rate": float(plan["sampling_rate"]),
-        "noise_multiplier": noise,
-        "clip_norm": plan.get("clip_norm"),
-        "clipping": plan.get("clipping", "flat"),
-        "group_size": int(plan["group_size"]),
-        "steps_completed": int(steps_completed),
-        "steps_planned": int(plan["steps"]),
-        "complete": int(steps_completed) == int(plan["steps"]),
-        "delta": delta,
-        "accountant": plan.get("accountant"),
+        "method": spec.method,
+        "sampling_rate": float(spec.sampling_rate),
+        "noise_multiplier": float(spec.noise_multiplier),
+        "clip_norm": spec.clip_norm,
+        "clipping": spec.clipping,
+        "group_size": int(spec.group_size),
+        "steps_completed": int(facts.steps_completed),
+        "steps_planned": int(spec.steps),
+        "complete": int(facts.steps_completed) == int(spec.steps),
+        "delta": float(spec.delta),
+        "accountant": spec.accountant,
         "epsilon": eps,
         "dp_event": mechanism.event_to_json(event),
-        "epsilon_planned": plan.get("epsilon"),
-        "epsilon_plan_achieved": plan.get("epsilon_achieved"),
-        "epsilon_plan_per_run": plan.get("epsilon_per_run", plan.get("epsilon_achieved")),
-        "epsilon_target_of": plan.get("epsilon_target_of", "each learning-rate run"),
-        "selection": plan.get("selection"),
-        "expected_batch": float(expected_batch),
-        "expected_batch_planned": plan.get("expected_batch"),
-        "n_train_users": int(n_train_users),
-        "n_pool_examples": None if n_pool_examples is None else int(n_pool_examples),  # None: DP statistics
+        "epsilon_planned": spec.epsilon,
+        "epsilon_plan_achieved": spec.epsilon_achieved,
+        "epsilon_plan_per_run": spec.epsilon_of_one_run,
+        "epsilon_target_of": spec.epsilon_target_of or "each learning-rate run",
+        "selection": None if spec.selection is None else spec.selection.record(),
+        "expected_batch": float(facts.expected_batch),
+        "expected_batch_planned": spec.expected_batch,
+        "n_train_users": int(facts.n_train_users),
+        "n_pool_examples": _int_or_none(facts.n_pool_examples),  # None: DP statistics
         # None with DP contribution statistics: with q and T they would give back N_G (docs/privacy.md)
-        "examples_processed": None if examples_processed is None else int(examples_processed),
-        "users_processed": None if users_processed is None else int(users_processed),
+        "examples_processed": _int_or_none(done),
+        "users_processed": _int_or_none(facts.users_processed),
         "compute_budget": budget,
-        "compute_ratio": (examples_processed / float(budget)) if budget and examples_processed is not None else None,
-        "learning_rate": float(learning_rate),
+        "compute_ratio": (done / float(budget)) if budget and done is not None else None,
+        "learning_rate": float(facts.learning_rate),
         "optimizer": training.get("optimizer"),
         "schedule": training.get("schedule"),
         "warmup_steps": training.get("warmup_steps"),
         "physical_batch_size": training.get("physical_batch_size"),
         "uls_examples_per_user": training.get("uls_examples_per_user"),
-        "seed": seeds.get("run"),
-        "seeds": seeds,
+        "seed": facts.seeds.get("run"),
+        "seeds": dict(facts.seeds),
         # seeds_mode / guarantee_caveat (userdp.privacy.seed_secrecy): "derived" when the run's samples and noise
         # (or the DP statistics' noise) come from the config seed, which voids the guarantee against its holders
-        **seed_secrecy.combined_fields(seed_secrecy.seeds_mode(bool(seeds.get("secret"))),
+        **seed_secrecy.combined_fields(seed_secrecy.seeds_mode(bool(facts.seeds.get("secret"))),
                                        (stats or {}).get("seeds_mode")),
-        "resumed_at_steps": list(resumed_at),
+        "resumed_at_steps": list(facts.resumed_at),
         "versions": library_versions(),
     }
     if stats:
@@ -158,4 +172,20 @@ def build_ledger(
         # `epsilon` above composes its event with the steps (docs/privacy.md).
         ledger["contribution_stats"] = {k: stats.get(k) for k in ("private", "mechanism", "epsilon", "dp_event", "file",
                                                                   "seeds_mode")}
+    ledger.update({
+        "n_examples_before_bounding": _int_or_none(facts.n_examples_before_bounding),
+        "device": facts.device,
+        "precision": facts.precision,
+        "processes": int(facts.processes),
+        # What trained: every parameter, or LoRA adapters (noise and clipping cover exactly these coordinates).
+        "trainable_parameters": facts.trainable_parameters,
+        "adapter": None if facts.adapter is None else dict(facts.adapter),
+        # Units dropped for a NaN/inf gradient (they contributed zero): a noise-free count of the sampled
+        # users' data, released only with training.debug_step_log (like the per-step log).
+        "nonfinite_units": facts.nonfinite_units,
+    })
     return ledger
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)

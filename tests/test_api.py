@@ -1,0 +1,195 @@
+"""The public API (docs/api.md): the issue's snippet as written, on a tiny local checkpoint, ELS and ULS, LoRA and
+full fine-tuning; the released guarantee re-accounted from the ledger's event; bad input refused with the project's
+errors and nothing written; `userdp.__all__` equals the names docs/api.md lists.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import userdp
+from train_fixtures import make_tokenizer
+from userdp.errors import ConfigError, DataError, PrivacyError
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["user", "level", "privacy", "model", "token", "noise", "clip", "sample", "step", "data"]
+
+
+def checkpoint(folder: Path) -> Path:
+    """A tiny GPT-2 saved with save_pretrained, with its tokenizer in the same folder (as on the hub)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab = make_tokenizer(folder)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(cfg).save_pretrained(folder)
+    return folder
+
+
+def users_frame(n_users: int = 60, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for u in range(n_users):
+        for _ in range(int(rng.integers(1, 7))):
+            rows.append({"author": f"a{u:03d}", "body": " ".join(rng.choice(WORDS, size=int(rng.integers(3, 12))))})
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    checkpoint(root / "ckpt")
+    users_frame().to_parquet(root / "my_users.parquet")
+    return root
+
+
+def snippet(model: str, lora: str, method: str) -> str:
+    """The issue's acceptance snippet (docs/api.md), with the model path, method and LoRA setting filled in."""
+    return textwrap.dedent(f"""\
+        import pandas as pd, userdp
+        rows = pd.read_parquet("my_users.parquet")            # columns: author, body
+        run = userdp.fine_tune(
+            model="{model}", data=rows, user_column="author", text_column="body",
+            method="{method}", epsilon=4.0, compute=2000, steps=20, lora={lora}, output_dir="out/{method}-eps4")
+        print(run.epsilon, run.delta, run.method, run.group_size, run.noise_multiplier)
+        model = userdp.load_released("out/{method}-eps4")          # the released model, adapter merged
+        """)
+
+
+def test_the_snippet_is_the_one_in_docs():
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    code = snippet("path/to/local-hf-checkpoint", '{"r": 8}', "uls")
+    for line in code.splitlines():
+        assert line.strip() in text, f"docs/api.md lacks the snippet line {line!r}"
+
+
+@pytest.mark.parametrize("method,lora", [("uls", '{"r": 8}'), ("els", "None"), ("els", '{"r": 8}'),
+                                         ("uls", "None")])
+def test_the_snippet_runs_and_its_epsilon_is_the_released_guarantee(workdir, monkeypatch, capsys, method, lora):
+    monkeypatch.chdir(workdir)
+    scope: dict = {}
+    exec(compile(snippet(str(workdir / "ckpt"), lora, method), "snippet", "exec"), scope)
+    run, model = scope["run"], scope["model"]
+    printed = capsys.readouterr().out.split()
+    assert printed[2] == method and float(printed[0]) == run.epsilon and int(printed[3]) == run.group_size
+    out = workdir / "out" / f"{method}-eps4"
+    ledger = userdp.read_ledger(out)
+    # the released guarantee: <= the target, equal to the ledger's event re-accounted by the PLD accountant
+    assert run.epsilon <= 4.0 + 1e-9 and run.epsilon == ledger["epsilon"]
+    assert userdp.epsilon(ledger) == pytest.approx(run.epsilon, rel=1e-9)
+    assert userdp.epsilon(run.spec) == pytest.approx(run.epsilon, rel=1e-9)
+    assert ledger["complete"] and ledger["steps_completed"] == 20 and ledger["seeds_mode"] == "secret"
+    assert run.delta == pytest.approx(1 / 60 ** 1.1) and run.noise_multiplier > 0
+    spec = userdp.RunSpec.load(out / "plan.json")
+    assert spec == run.spec and spec.method == method and spec.group_size == run.group_size
+    # the same run folder as the pipeline's: ledger, train log, model (or adapter)
+    assert (out / "ledger.json").exists() and (out / "train_log.parquet").exists()
+    adapter = (out / "model" / "adapter_config.json").exists()
+    assert adapter == (lora != "None") and (ledger["adapter"] is not None) == adapter
+    # the released model is a plain transformers model (adapter merged) that runs
+    assert not hasattr(model, "peft_config")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 5, 7]])).logits
+    assert logits.shape[:2] == (1, 3) and torch.isfinite(logits).all()
+
+
+def test_a_finished_run_is_restored_not_retrained(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    rows = pd.read_parquet("my_users.parquet")
+    kw = dict(model=str(workdir / "ckpt"), data=rows, user_column="author", text_column="body", method="els",
+              epsilon=2.0, compute=600, steps=6, output_dir="out/again", secret_seeds=False)
+    first = userdp.fine_tune(**kw)
+    weights = (workdir / "out/again/model/model.safetensors").read_bytes()
+    second = userdp.fine_tune(**kw)
+    assert second.ledger == first.ledger
+    assert (workdir / "out/again/model/model.safetensors").read_bytes() == weights
+    assert first.ledger["seeds_mode"] == "derived" and first.ledger["guarantee_caveat"]
+
+
+def test_the_planner_is_the_pipelines(workdir):
+    """userdp.plan = the pipeline's plan_cell on the same counts and defaults (the plan rule's script calls it)."""
+    from userdp.config import run_config
+    from userdp.privacy.planner import plan_cell
+    from userdp.privacy.selection import Selection
+
+    counts = np.array([1, 2, 2, 3, 5, 8, 13] * 20)
+    spec = userdp.plan("uls", 4.0, counts=counts, compute=1000, steps=10)
+    same = plan_cell(dataset="data", method="uls", epsilon=4.0, compute_budget=1000, steps=10, counts=counts,
+                     privacy=run_config()["privacy"], selection=Selection("composed", 1))
+    assert spec.without_timing() == same.without_timing()
+    assert spec.epsilon_achieved <= 4.0 and spec.delta == pytest.approx(1 / counts.size ** 1.1)
+    assert userdp.epsilon(spec) == pytest.approx(spec.epsilon_achieved, rel=1e-9)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    ({"user_column": "user"}, DataError, r"no column\(s\) \['user'\]"),
+    ({"epsilon": 0}, PrivacyError, "epsilon is 0"),
+    ({"epsilon": -1.0}, PrivacyError, "epsilon > 0"),
+    ({"method": "dp-sgd"}, ConfigError, "method is 'dp-sgd'"),
+    ({"compute": 0}, ConfigError, "compute is 0"),
+    ({"model": "NOWEIGHTS"}, ConfigError, "model.name"),
+    ({"lora": {"rank": 8}}, ConfigError, "model.lora"),
+    ({"privacy": {"clip_norm": -1}}, ConfigError, "privacy.clip_norm"),
+    ({"data": "rows.parquet"}, DataError, "DataFrame"),
+    ({"data": "BLANK_USER"}, DataError, "row 1 has no user id"),
+    ({"data": "NUMBER_TEXT"}, DataError, "not text"),
+])
+def test_bad_input_is_refused_and_nothing_is_written(workdir, tmp_path, change, error, match):
+    rows = users_frame(20)
+    kw = dict(model=str(workdir / "ckpt"), data=rows, user_column="author", text_column="body", method="uls",
+              epsilon=4.0, compute=200, steps=4, output_dir=str(tmp_path / "out"))
+    kw.update(change)
+    if kw["model"] == "NOWEIGHTS":
+        empty = tmp_path / "no-weights"
+        empty.mkdir()
+        (empty / "config.json").write_text((workdir / "ckpt" / "config.json").read_text())
+        kw["model"] = str(empty)
+    if isinstance(kw["data"], str) and kw["data"] == "BLANK_USER":
+        kw["data"] = rows.assign(author=["a"] + [""] + list(rows["author"][2:]))
+    if isinstance(kw["data"], str) and kw["data"] == "NUMBER_TEXT":
+        kw["data"] = rows.assign(body=[1.5] * len(rows))
+    with pytest.raises(error, match=match):
+        userdp.fine_tune(**kw)
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_matches_the_names_docs_api_lists():
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([A-Za-z_][A-Za-z0-9_]*)`", text, flags=re.M))
+    assert listed == set(userdp.__all__), (sorted(listed ^ set(userdp.__all__)))
+    for name in userdp.__all__:
+        assert getattr(userdp, name) is not None
+    with pytest.raises(AttributeError):
+        userdp.no_such_name  # noqa: B018
+
+
+def test_a_damaged_plan_is_a_clear_error(tmp_path):
+    from userdp.io import write_json
+
+    spec = userdp.plan("els", 2.0, counts=[3] * 50, compute=300, steps=5)
+    good = spec.to_record()
+    cases = {
+        "missing": ({k: v for k, v in good.items() if k != "noise_multiplier"}, r"\['noise_multiplier'\] missing"),
+        "mistyped": (dict(good, steps="5"), "'steps' is '5', not a int"),
+        "unknown": (dict(good, sigma=1.0), r"unknown plan field\(s\) \['sigma'\]"),
+        "edited": (dict(good, sampling_rate=good["sampling_rate"] * 2), "edited after calibration"),
+        "no clip": (dict(good, clip_norm=None), "clip_norm is null"),
+        "method": (dict(good, method="dpsgd"), "method is 'dpsgd'"),
+    }
+    for name, (record, match) in cases.items():
+        path = tmp_path / f"{name}.json"
+        write_json(path, record)
+        with pytest.raises(DataError, match=match) as exc:
+            userdp.RunSpec.load(path)
+        assert str(path) in str(exc.value), name
+    write_json(tmp_path / "good.json", good)
+    assert userdp.RunSpec.load(tmp_path / "good.json") == spec
+    assert math.isfinite(spec.noise_multiplier)

@@ -1,0 +1,304 @@
+"""The public Python API: plan a user-level DP run, fine-tune with it, account for it, load what it released.
+
+The pipeline's own jobs use the same functions and objects: `plan` is the
+planner of rule plan (workflow/scripts/plan_cell.py calls it), `fine_tune`
+trains with the engine, the run inputs and the seeds of rule finetune
+(`training.finetune_job.train_run`), and both write the same run folder
+(model/ or a LoRA adapter, ledger.json, train_log.parquet; here also the
+run's plan.json). Defaults are the pipeline's: every keyword a config file
+could set is validated by the config schema and named like its key
+(privacy.*, training.*). docs/api.md lists every public name.
+
+    import pandas as pd, userdp
+    rows = pd.read_parquet("my_users.parquet")            # columns: author, body
+    run = userdp.fine_tune(
+        model="path/to/local-hf-checkpoint", data=rows, user_column="author", text_column="body",
+        method="uls", epsilon=4.0, compute=2000, steps=20, lora={"r": 8}, output_dir="out/uls-eps4")
+    print(run.epsilon, run.delta, run.method, run.group_size, run.noise_multiplier)
+    model = userdp.load_released("out/uls-eps4")          # the released model, adapter merged
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import ConfigError, DataError, PrivacyError
+from .layout import LEDGER, PLAN_FILE, RUN_MODEL, fmt_num
+from .privacy.spec import RunSpec
+
+log = logging.getLogger("userdp.api")
+
+#: The methods `plan` and `fine_tune` accept (privacy.mechanism.METHODS).
+METHODS = ("els", "uls")
+
+
+@dataclasses.dataclass(frozen=True)
+class FineTuneResult:
+    """What `fine_tune` released: the run folder, its spec (plan) and its ledger.
+
+    `epsilon` is the released model's guarantee at `delta` (the ledger's, recomputed from the event of the steps
+    that ran, composed with the DP contribution statistics if the spec spent part of the budget on them); the
+    non-private reference (epsilon inf) has no guarantee.
+    """
+
+    output_dir: Path
+    spec: RunSpec
+    ledger: Mapping[str, Any]
+
+    @property
+    def epsilon(self) -> float:
+        return float(self.ledger["epsilon"])
+
+    @property
+    def delta(self) -> float:
+        return float(self.ledger["delta"])
+
+    @property
+    def method(self) -> str:
+        return str(self.ledger["method"])
+
+    @property
+    def group_size(self) -> int:
+        return int(self.ledger["group_size"])
+
+    @property
+    def noise_multiplier(self) -> float:
+        return float(self.ledger["noise_multiplier"])
+
+    @property
+    def steps(self) -> int:
+        return int(self.ledger["steps_completed"])
+
+    @property
+    def model_dir(self) -> Path:
+        return self.output_dir / RUN_MODEL
+
+
+def _check_target(method: str, epsilon: Any, compute: Any, steps: Any) -> float:
+    """The target epsilon as a float, after checking the cell's arguments (ConfigError / PrivacyError)."""
+    if method not in METHODS:
+        raise ConfigError(f"method is {method!r}; allowed: {', '.join(METHODS)} (user-level sampling: 'uls').")
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or math.isnan(epsilon):
+        raise PrivacyError(f"epsilon is {epsilon!r}; give a number > 0 (or math.inf for the non-private reference).")
+    if not epsilon > 0:
+        raise PrivacyError(f"epsilon is {epsilon}; a DP guarantee needs epsilon > 0 (e.g. 1, 4 or 8; math.inf for "
+                           "the non-private reference without noise).")
+    for name, value in (("compute", compute), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ConfigError(f"{name} is {value!r}; give a whole number >= 1 (compute: examples processed in "
+                              "expectation over the run; steps: noisy steps T).")
+    return float(epsilon)
+
+
+def plan(method: str, epsilon: float, *, counts: Sequence[int] | np.ndarray, compute: int, steps: int,
+         delta: float | None = None, group_size: int | None = None, privacy: Mapping[str, Any] | None = None,
+         learning_rates: int = 1, dataset: str = "data", contribution_stats: Any = None,
+         reference_epsilon: float | None = None) -> RunSpec:
+    """A calibrated run specification: G by the method's rule, the sampling rate that spends `compute` examples
+    in `steps` steps, and the noise multiplier that reaches `epsilon` at `delta`.
+
+    counts: examples per train user (their contributions), or pass `contribution_stats` (a
+    privacy.contribution_stats.NoisyHistogram release, with privacy={"contribution_stats": {"private": True}}) so
+    the G rules and sizes read the DP histogram instead. delta: default 1 / N^1.1 (privacy.delta_exponent).
+    group_size: an explicit G (default: privacy.group_size's rule, median for ELS and snr for ULS).
+    privacy: further privacy.* keys (clip_norm, clipping, selection, ...), validated like a config file's.
+    learning_rates: how many learning-rate runs the released model is chosen among (privacy.selection
+    accounts for them: each run's noise is calibrated so the selection meets epsilon). reference_epsilon: for
+    the non-private reference (epsilon inf), the epsilon whose G it reuses.
+    """
+    from .config import run_config
+    from .privacy.planner import plan_cell
+    from .privacy.selection import Selection
+
+    eps = _check_target(method, epsilon, compute, steps)
+    section = dict(privacy or {})
+    if delta is not None:
+        section["delta"] = delta
+    cfg = run_config(privacy=section, source="userdp.plan")["privacy"]
+    return plan_cell(dataset=dataset, method=method, epsilon=eps, compute_budget=int(compute), steps=int(steps),
+                     counts=np.asarray(counts, dtype=np.int64), privacy=cfg, group_size=group_size,
+                     reference_epsilon=reference_epsilon, stats=contribution_stats,
+                     selection=Selection.from_config(cfg, int(learning_rates)))
+
+
+def epsilon(source: RunSpec | Mapping[str, Any] | str | os.PathLike, delta: float | None = None) -> float:
+    """Epsilon at `delta` (default: the one recorded) re-accounted from the event itself, by the PLD accountant.
+
+    source: a RunSpec (one run of its T steps, composed with its DP contribution statistics: what a complete
+    run's ledger records), a ledger (dict) or a run folder / ledger.json path (from its `dp_event`: the steps that
+    ran). A run without noise has no guarantee: inf.
+    """
+    from .training.ledger import guarantee_epsilon, run_event
+
+    if isinstance(source, RunSpec):
+        return guarantee_epsilon([source.event], source.delta if delta is None else delta, source.contribution_stats)
+    ledger = read_ledger(source) if isinstance(source, (str, os.PathLike)) else source
+    return guarantee_epsilon([run_event(ledger)], float(ledger["delta"]) if delta is None else delta,
+                             ledger.get("contribution_stats"))
+
+
+def read_ledger(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ledger of a run folder (or a ledger.json path): what ran and its guarantee (docs/artifacts.md)."""
+    from .io import read_json
+
+    path = Path(run_dir)
+    return read_json(path if path.suffix == ".json" else path / LEDGER)
+
+
+def load_released(run_dir: str | os.PathLike, *, with_ledger: bool = False, device: str = "cpu") -> Any:
+    """The released model of a run folder (`fine_tune`'s output_dir or a pipeline run folder), a LoRA adapter
+    merged into its base model; with `with_ledger`, (model, ledger)."""
+    from .training.models import load_model
+
+    path = Path(run_dir)
+    folder = path if (path / "config.json").exists() or (path / "adapter_config.json").exists() else path / RUN_MODEL
+    if not folder.is_dir():
+        raise DataError(f"{run_dir} holds no released model (no {RUN_MODEL}/ folder with config.json or "
+                        "adapter_config.json); give the output_dir of userdp.fine_tune or a run folder.")
+    model = load_model(folder, device, local=True, merge=True).eval()
+    return (model, read_ledger(folder.parent if folder.name == RUN_MODEL else folder)) if with_ledger else model
+
+
+def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_column: str, method: str,
+              epsilon: float, compute: int, steps: int, output_dir: str | os.PathLike,
+              lora: Mapping[str, Any] | None = None, tokenizer: str | os.PathLike | None = None,
+              delta: float | None = None, learning_rate: float | None = None, group_size: int | None = None,
+              sequence_length: int | None = None, seed: int = 0, secret_seeds: bool | None = None,
+              privacy: Mapping[str, Any] | None = None, training: Mapping[str, Any] | None = None
+              ) -> FineTuneResult:
+    """Fine-tune `model` on `data` with user-level DP (DP-SGD with example- or user-level sampling).
+
+    model: a Hugging Face causal LM folder saved with save_pretrained (or a hub id). data: a pandas DataFrame (or
+    anything with columns) with one row per example, `user_column` naming its user and `text_column` its text;
+    every user is a train user. method: "els" or "uls". epsilon: the released model's target (math.inf: the
+    non-private reference). compute: examples processed in expectation over the run (K). steps: noisy steps T.
+    output_dir: the run folder (model/ or the LoRA adapter, ledger.json, train_log.parquet, plan.json); a run of
+    the same inputs finished there before is restored, not retrained, and an interrupted one resumes.
+    lora: None = full fine-tuning, or model.lora keys (r, alpha, dropout, target_modules). tokenizer: default
+    the model folder's. delta: default 1 / N^1.1. learning_rate: default training.learning_rates[0].
+    secret_seeds: default True (user data: the sampling and noise randomness is fresh OS entropy, never
+    written); False derives it from `seed` (reproducible, but the guarantee does not hold against whoever has
+    the seed). privacy / training: further privacy.* / training.* keys, validated like a config file's.
+
+    Bad input raises the project's errors (ConfigError, DataError, PrivacyError) before anything is written in
+    output_dir.
+    """
+    from .config import API_DATASET, run_config
+
+    eps = _check_target(method, epsilon, compute, steps)
+    out = _output_dir(output_dir)
+    train = dict(training or {})
+    if learning_rate is not None:
+        train["learning_rates"] = [learning_rate]
+    privacy_section = dict(privacy or {})
+    if delta is not None:
+        privacy_section["delta"] = delta
+    cfg = run_config(model=str(model), tokenizer=None if tokenizer is None else str(tokenizer),
+                     lora=None if lora is None else dict(lora), seed=seed, privacy=privacy_section, training=train,
+                     sequence_length=sequence_length)
+    lr = float(cfg["training"]["learning_rates"][0])
+    users, texts = _rows(data, user_column, text_column)
+    with tempfile.TemporaryDirectory(prefix="userdp-fine-tune-") as staging:
+        tok = _tokenizer(cfg["tokenizer"]["name"], Path(staging) / "tokenizer")
+        table = _tokens_table(tok, users, texts, int(cfg["tokenizer"]["sequence_length"]))
+        counts = np.unique(np.asarray(users), return_counts=True)[1]
+        spec = plan(method, eps, counts=counts, compute=compute, steps=steps, group_size=group_size,
+                    privacy=cfg["privacy"], dataset=API_DATASET)
+        secret = True if secret_seeds is None else bool(secret_seeds)
+        outcome = _train(cfg, spec, table, tok, str(model), out, lr, method, eps, int(compute), secret)
+    spec.write(out / PLAN_FILE)
+    return FineTuneResult(out, spec, outcome.ledger)
+
+
+def _train(cfg: dict, spec: RunSpec, table: Any, tok: Any, model: str, out: Path, lr: float, method: str,
+           eps: float, compute: int, secret: bool) -> Any:
+    """Bound the pool to G and train through the pipeline's run (training.finetune_job.train_run)."""
+    from .config import API_DATASET
+    from .training import finetune_job
+    from .training.pool import build_pool
+
+    run_seed = 0
+    pool = build_pool(table, spec.group_size,
+                      finetune_job.bounding_seed(cfg["seed"], API_DATASET, run_seed, spec.group_size))
+    out.mkdir(parents=True, exist_ok=True)
+    outcome = finetune_job.train_run(finetune_job.RunInputs(
+        config=cfg, spec=spec, pool=pool, tokenizer=tok, model=model, run_dir=str(out), learning_rate=lr,
+        dataset=API_DATASET, method=method, eps=fmt_num(eps), budget=compute, seed=run_seed, secret=secret))
+    if not outcome.complete:  # pragma: no cover - train without max_steps runs to T or raises
+        raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{spec.steps}")
+    return outcome
+
+
+def _output_dir(output_dir: str | os.PathLike) -> Path:
+    out = Path(output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {output_dir} is a file; give a folder (it is created if missing).")
+    return out
+
+
+def _rows(data: Any, user_column: str, text_column: str) -> tuple[list[str], list[str]]:
+    """(user ids, texts) of the rows, checked: both columns exist, every row has a user id and a text."""
+    columns = [str(c) for c in getattr(data, "columns", [])]
+    if not columns:
+        raise DataError(f"data is a {type(data).__name__}; give a pandas DataFrame (or pyarrow Table) with one row "
+                        f"per example and the columns {user_column!r} and {text_column!r}.")
+    missing = [c for c in (user_column, text_column) if c not in columns]
+    if missing:
+        raise DataError(f"data has no column(s) {missing} (user_column {user_column!r}, text_column "
+                        f"{text_column!r}); its columns are {columns}. Rename them or pass the right names.")
+    users, texts = _column(data, user_column), _column(data, text_column)
+    if not users:
+        raise DataError("data has no rows; it needs at least one row per train user.")
+    for i, (u, t) in enumerate(zip(users, texts)):
+        if u is None or (isinstance(u, float) and math.isnan(u)) or not str(u).strip():
+            raise DataError(f"data row {i} has no user id in column {user_column!r}; every row needs one: fill "
+                            "it in or drop the row.")
+        if not isinstance(u, (str, numbers.Integral)):
+            raise DataError(f"data row {i}: user id {u!r} in column {user_column!r} is a {type(u).__name__}; "
+                            "user ids must be strings or integers.")
+        if not isinstance(t, str):
+            raise DataError(f"data row {i}: column {text_column!r} holds {t!r} ({type(t).__name__}), not text; "
+                            "store the texts as strings and drop rows without one.")
+    return [str(u) for u in users], list(texts)
+
+
+def _column(data: Any, name: str) -> list:
+    col = data[name]
+    return col.to_pylist() if hasattr(col, "to_pylist") else list(col)
+
+
+def _tokenizer(name: str, folder: Path) -> Any:
+    """The model's (or the named) tokenizer, prepared as the pipeline's data stage does (bos and pad fall back
+    to eos)."""
+    from .data.tokenize import load_named, load_tokenizer
+
+    load_named(name, folder)
+    return load_tokenizer(folder)
+
+
+def _tokens_table(tok: Any, users: list[str], texts: list[str], sequence_length: int) -> Any:
+    """The rows as a tokens table (the data stage's columns): bos + text + eos, cut to the sequence length."""
+    import pyarrow as pa
+
+    from .data.tokenize import encode, frame, special_token_ids
+
+    flat, lengths = encode(tok, texts)
+    bos, eos = special_token_ids(tok)
+    ids, out_len, _ = frame(flat, lengths, bos, eos, sequence_length, "truncate")
+    offsets = np.concatenate([[0], np.cumsum(out_len)]).astype(np.int32)
+    return pa.table({
+        "user_id": pa.array(users, pa.string()),
+        "example_id": pa.array(np.arange(len(users), dtype=np.int64)),
+        "split": pa.array(["train"] * len(users), pa.string()),
+        "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.int32())),
+        "n_tokens": pa.array(out_len.astype(np.int32)),
+    })
