@@ -113,8 +113,9 @@ def test_pin_parser_catches_a_mismatch():
 #: ones. The base modules sit below every stage and import none of them.
 BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "code_version", "workers")
 #: Top level: they may import every stage. config validates the whole config, so it reads each stage's
-#: declarations (the data-source registry, the run settings); no stage imports it.
-TOP_MODULES = ("config", "cli", "__main__", "api")
+#: declarations (the data-source registry, the run settings); no stage imports it. snakemake_args is the
+#: command line of `userdp run` (it starts the workflow); api is the public Python API (docs/api.md).
+TOP_MODULES = ("config", "cli", "__main__", "snakemake_args", "api")
 STAGE_RANKS = {
     "base": 0,
     "data": 1,

@@ -4,6 +4,8 @@
     userdp calibrate --method els --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --group-size 8
     userdp calibrate --method uls --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --selection composed --runs 3
     userdp export-merged RUN_FOLDER/model merged/   (a LoRA run's adapter merged into its base model)
+    userdp check-config my.yaml [more.yaml ...]
+    userdp run --cores 2 --configfile my.yaml results/data/mine/contributions.json   (snakemake, targets first)
 
 --selection says what the epsilon is of: one run (default), the released
 model chosen among --runs learning-rate runs composed (the pipeline's
@@ -81,7 +83,8 @@ def _noise(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="userdp", description="User-level DP accounting and calibration tools.")
+    p = argparse.ArgumentParser(prog="userdp", description="User-level DP tools: accounting and calibration, "
+                                "config checks, running the workflow (run).")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -128,32 +131,81 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("files", nargs="+", help="YAML config files, in --configfile order")
     k.add_argument("--default", default=None, help="the default config they override (default: the repository's "
                    "config/config.yaml; 'none': check the files alone, merged, as with --replace-workflow-config)")
+    r = sub.add_parser(
+        "run", help="run snakemake with these arguments, config files checked first and targets put before "
+        "--configfile (which would read them as config files)",
+        description="Run snakemake (this Python's `-m snakemake`, in the current folder) with the arguments "
+        "given, after checking the config files as check-config does (a mistake stops here, naming the file, "
+        "key and line). The arguments are snakemake's, in any order: targets written after --configfile, "
+        "--config and snakemake's other options that take several values are moved before them "
+        "(userdp.snakemake_args). Exits with snakemake's status, 2 for a bad config file.",
+        usage="userdp run [snakemake arguments ...]",
+    )
+    r.add_argument("snakemake_args", nargs="*", metavar="ARG", help="snakemake's arguments, e.g. --cores 2 "
+                   "--configfile my.yaml results/data/mine/contributions.json")
     x = sub.add_parser("export-merged", help="merge a run's LoRA adapter (model.lora) into its base model and save it")
     x.add_argument("adapter", help="a run's model/ folder holding peft's adapter_config.json")
     x.add_argument("out", help="the folder to write the merged model to (must not exist yet)")
     return p
 
 
-def _check_config(args: argparse.Namespace) -> int:
-    """Parse each file (naming its line on a syntax error), merge them over the default, validate."""
+def _checked_config(files: Sequence[str], default: str | None, overrides: dict | None = None) -> None:
+    """Parse each file (naming its line on a syntax error), merge them over the default, validate: as snakemake
+    reads `--configfile FILES` (`--config` entries: `overrides`, merged last); a UserError names the mistake.
+
+    `default`: the config the files override (None: the repository's config/config.yaml; "none": no default, as
+    with --replace-workflow-config).
+    """
     from pathlib import Path
 
     from . import layout
     from .config import merge_configs, read_config_file, validate_config
 
-    default = args.default or str(Path(__file__).resolve().parents[2] / layout.DEFAULT_CONFIG)
+    default = default or str(Path(__file__).resolve().parents[2] / layout.DEFAULT_CONFIG)
+    # as snakemake: the files are merged into one override first, which then goes over the default
+    override: dict = {}
+    for f in files:
+        override = merge_configs(override, read_config_file(f))
+    merged = merge_configs({} if default == "none" else read_config_file(default), override)
+    sources = list(files) if default == "none" else [default, *files]
+    if overrides:
+        merged = merge_configs(merged, overrides)
+        sources.append("--config")
+    validate_config(merged, source=" + ".join(sources))
+
+
+def _check_config(args: argparse.Namespace) -> int:
     try:
-        # as snakemake: the files are merged into one override first, which then goes over the default
-        override: dict = {}
-        for f in args.files:
-            override = merge_configs(override, read_config_file(f))
-        merged = merge_configs({} if default == "none" else read_config_file(default), override)
-        validate_config(merged, source=" + ".join(args.files if default == "none" else [default, *args.files]))
+        _checked_config(args.files, args.default)
     except UserError as exc:
         print(f"userdp check-config: error: {exc}", file=sys.stderr)
         return 2
     print(f"{', '.join(args.files)}: valid")
     return 0
+
+
+def _run(argv: Sequence[str]) -> int:
+    """`userdp run`: check the config files, reorder the arguments, run snakemake and return its status."""
+    from .snakemake_args import order_args, run_snakemake
+
+    call = order_args(argv)
+    if not {"help", "version"} & call.given:
+        try:
+            from snakemake.cli import parse_config
+
+            try:
+                overrides = parse_config(call.config)
+            except ValueError as exc:
+                raise UserError(f"--config {' '.join(call.config)}: {exc}") from None
+            default = "none" if "replace_workflow_config" in call.given else None
+            _checked_config(call.configfiles, default, overrides)
+        except UserError as exc:
+            print(f"userdp run: error: {exc}", file=sys.stderr)
+            return 2
+    if call.moved:
+        print(f"userdp run: targets {call.moved} moved before the options that would read them as values",
+              file=sys.stderr)
+    return run_snakemake(call.argv)
 
 
 def _export_merged(args: argparse.Namespace) -> int:
@@ -186,6 +238,9 @@ def _emit(record: dict, as_json: bool, text: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 invalid arguments or infeasible target)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"] and argv[1:] not in (["-h"], ["--help"]):
+        return _run(argv[1:])  # snakemake's options are not ours: argparse would refuse them
     args = build_parser().parse_args(argv)
     if args.command == "export-merged":
         return _export_merged(args)
