@@ -85,7 +85,7 @@ def test_one_decorated_class_supports_a_new_layer(registry, level, method):
     scale = max(float(w.abs().max()) for w in want)
     for p, w in zip(params, want):
         assert float((p.grad - w).abs().max()) <= RTOL * scale
-    torch.testing.assert_close(stats["unit_norms"], want_norms, rtol=RTOL, atol=0)
+    torch.testing.assert_close(stats.unit_norms, want_norms, rtol=RTOL, atol=0)
 
 
 def test_register_layer_takes_a_handler_class():
