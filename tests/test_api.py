@@ -193,3 +193,13 @@ def test_a_damaged_plan_is_a_clear_error(tmp_path):
     write_json(tmp_path / "good.json", good)
     assert userdp.RunSpec.load(tmp_path / "good.json") == spec
     assert math.isfinite(spec.noise_multiplier)
+
+
+def test_import_userdp_stays_light():
+    """The public names load on first use: `import userdp` (the Snakefile's) and the RunSpec pull in no torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, userdp; userdp.RunSpec; userdp.plan; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -10,13 +10,15 @@ training.learning_rates its sigma is below the grid cells' (each of those is
 calibrated for the k runs composed).
 """
 
+import userdp
 import userdp.errors
 import userdp.io
 import userdp.logutil
 from userdp.layout import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
 from userdp.evaluation.audit_targets import grid_delta
-from userdp.privacy.planner import plan_cell, read_train_token_counts
+from userdp.privacy.planner import read_train_token_counts
+from userdp.privacy.selection import Selection
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -31,10 +33,10 @@ def main() -> None:
     stats = None
     if "contributions_dp" in inputs:
         stats = NoisyHistogram.from_release(userdp.io.read_json(inputs["contributions_dp"]), inputs["contributions_dp"])
-    plan = plan_cell(
-        dataset=w.dataset, method=w.method, epsilon=parse_num(w.eps), compute_budget=int(w.budget),
-        steps=int(sm.params.steps), counts=counts, privacy=privacy,
-        reference_epsilon=sm.params.reference_epsilon, stats=stats,
+    plan = userdp.plan(  # one run, released without a selection: calibrated alone
+        w.method, parse_num(w.eps), counts=counts, compute=int(w.budget), steps=int(sm.params.steps),
+        privacy=privacy, dataset=w.dataset, reference_epsilon=sm.params.reference_epsilon, contribution_stats=stats,
+        selection=Selection("composed", 1),
     )
     plan = plan.replace(median_train=None, delta_rule=delta_rule, contribution_counts=(
         "audit tokens.parquet rows per train user (dataset train users plus included canaries)"))

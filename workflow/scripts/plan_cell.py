@@ -1,13 +1,13 @@
 """Snakemake script (rules plan, plan_group_sweep): one grid cell -> its plan JSON."""
 
+import userdp
 import userdp.errors
 import userdp.io
 import userdp.logutil
 import userdp.privacy.planner
 from userdp.layout import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
-from userdp.privacy.planner import plan_cell, read_counts
-from userdp.privacy.selection import Selection
+from userdp.privacy.planner import read_counts
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -24,18 +24,10 @@ def main() -> None:
     stats = None
     if "contributions_dp" in inputs:
         stats = NoisyHistogram.from_release(userdp.io.read_json(inputs["contributions_dp"]), inputs["contributions_dp"])
-    plan = plan_cell(
-        dataset=w.dataset,
-        method=w.method,
-        epsilon=parse_num(w.eps),
-        compute_budget=int(w.budget),
-        steps=int(sm.params.steps),
-        counts=counts,
-        privacy=sm.params.privacy,
-        group_size=sm.params.group_size,
-        reference_epsilon=sm.params.reference_epsilon,
-        stats=stats,
-        selection=Selection.from_record(sm.params.selection),
+    plan = userdp.plan(
+        w.method, parse_num(w.eps), counts=counts, compute=int(w.budget), steps=int(sm.params.steps),
+        privacy=sm.params.privacy, group_size=sm.params.group_size, dataset=w.dataset,
+        reference_epsilon=sm.params.reference_epsilon, contribution_stats=stats, selection=sm.params.selection,
     )
     # The exact median is a statistic of private data: left out when the G
     # rules use the DP statistics instead.

@@ -102,7 +102,7 @@ def _check_target(method: str, epsilon: Any, compute: Any, steps: Any) -> float:
 def plan(method: str, epsilon: float, *, counts: Sequence[int] | np.ndarray, compute: int, steps: int,
          delta: float | None = None, group_size: int | None = None, privacy: Mapping[str, Any] | None = None,
          learning_rates: int = 1, dataset: str = "data", contribution_stats: Any = None,
-         reference_epsilon: float | None = None) -> RunSpec:
+         reference_epsilon: float | None = None, selection: Any = None) -> RunSpec:
     """A calibrated run specification: G by the method's rule, the sampling rate that spends `compute` examples
     in `steps` steps, and the noise multiplier that reaches `epsilon` at `delta`.
 
@@ -112,7 +112,8 @@ def plan(method: str, epsilon: float, *, counts: Sequence[int] | np.ndarray, com
     group_size: an explicit G (default: privacy.group_size's rule, median for ELS and snr for ULS).
     privacy: further privacy.* keys (clip_norm, clipping, selection, ...), validated like a config file's.
     learning_rates: how many learning-rate runs the released model is chosen among (privacy.selection
-    accounts for them: each run's noise is calibrated so the selection meets epsilon). reference_epsilon: for
+    accounts for them: each run's noise is calibrated so the selection meets epsilon); `selection` (a
+    privacy.selection.Selection or its record, as rule plan passes it) replaces that. reference_epsilon: for
     the non-private reference (epsilon inf), the epsilon whose G it reuses.
     """
     from .config import run_config
@@ -124,10 +125,13 @@ def plan(method: str, epsilon: float, *, counts: Sequence[int] | np.ndarray, com
     if delta is not None:
         section["delta"] = delta
     cfg = run_config(privacy=section, source="userdp.plan")["privacy"]
+    if selection is None:
+        selection = Selection.from_config(cfg, int(learning_rates))
+    elif not isinstance(selection, Selection):
+        selection = Selection.from_record(selection)
     return plan_cell(dataset=dataset, method=method, epsilon=eps, compute_budget=int(compute), steps=int(steps),
                      counts=np.asarray(counts, dtype=np.int64), privacy=cfg, group_size=group_size,
-                     reference_epsilon=reference_epsilon, stats=contribution_stats,
-                     selection=Selection.from_config(cfg, int(learning_rates)))
+                     reference_epsilon=reference_epsilon, stats=contribution_stats, selection=selection)
 
 
 def epsilon(source: RunSpec | Mapping[str, Any] | str | os.PathLike, delta: float | None = None) -> float:
