@@ -161,6 +161,17 @@ def test_bad_input_is_refused_and_nothing_is_written(workdir, tmp_path, change, 
     assert not (tmp_path / "out").exists()
 
 
+def test_a_pyarrow_table_is_read_like_a_dataframe(workdir):
+    import pyarrow as pa
+
+    from userdp.api import _rows
+
+    table = pa.Table.from_pandas(users_frame(5))
+    assert _rows(table, "author", "body") == _rows(users_frame(5), "author", "body")
+    with pytest.raises(DataError, match=r"its columns are \['author', 'body'\]"):
+        _rows(table, "user", "body")
+
+
 def test_all_matches_the_names_docs_api_lists():
     text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     listed = set(re.findall(r"^\| `([A-Za-z_][A-Za-z0-9_]*)`", text, flags=re.M))

@@ -251,7 +251,8 @@ def _output_dir(output_dir: str | os.PathLike) -> Path:
 
 def _rows(data: Any, user_column: str, text_column: str) -> tuple[list[str], list[str]]:
     """(user ids, texts) of the rows, checked: both columns exist, every row has a user id and a text."""
-    columns = [str(c) for c in getattr(data, "columns", [])]
+    names = getattr(data, "column_names", None)  # a pyarrow Table's `columns` are its arrays
+    columns = [str(c) for c in (names if names is not None else getattr(data, "columns", []))]
     if not columns:
         raise DataError(f"data is a {type(data).__name__}; give a pandas DataFrame (or pyarrow Table) with one row "
                         f"per example and the columns {user_column!r} and {text_column!r}.")
