@@ -237,7 +237,8 @@ def script(name: str, make: Callable[[Path, dict], dict], config: dict | None = 
 
     With `config` the config is first validated as the workflow does at start-up (a ConfigError exits 2 there
     and the script does not run); `make(folder, validated config)` returns the rule's input, output, params,
-    wildcards (dicts) and threads.
+    wildcards (dicts) and threads. Like the rules' scripts, the stand-in has no `config`: a script's job comes
+    from its rule (tests/test_structure.py).
     """
 
     def run(folder: Path) -> Outcome:
@@ -256,7 +257,7 @@ def script(name: str, make: Callable[[Path, dict], dict], config: dict | None = 
             for key in ("input", "output", "params", "wildcards"):
                 setattr(sm, key, _Names(**rule.get(key, {})))
             sm.log = _Names(log=f"logs/{name}.log")
-            sm.threads, sm.config, sm.rule = rule.get("threads", 1), cfg, rule.get("rule", name)
+            sm.threads, sm.rule = rule.get("threads", 1), rule.get("rule", name)
             with _script_logging(), _process_state():
                 exec(code, {"__name__": "__main__", "__file__": str(path), "snakemake": sm})
 
@@ -495,6 +496,13 @@ def snakemake_case(id: str, what: str, yaml_text: str, message: str, *args: str,
                 kept=("my.yaml", *kw.pop("kept", ())), **kw)
 
 
+def untracked(cfg: dict, *keys: str) -> Any:
+    """A rule's `untracked` param (userdp.rule_params.untracked) of the validated config."""
+    from userdp.rule_params import untracked as make
+
+    return make(cfg, *keys)
+
+
 DATA_OUTPUTS = ("results/data/{name}/examples.parquet", "results/data/{name}/users.parquet",
                 "results/data/{name}/contributions.json")
 
@@ -508,7 +516,8 @@ def prepare_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
             "output": {"examples": f"results/data/{name}/examples.parquet",
                        "users": f"results/data/{name}/users.parquet",
                        "contributions": f"results/data/{name}/contributions.json"},
-            "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"], "contribution_stats_private": False},
+            "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"], "contribution_stats_private": False,
+                       "untracked": untracked(cfg, "tokenizer.batch_rows")},
             "wildcards": {"dataset": name},
         }
 
@@ -521,7 +530,9 @@ def public_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
     def make(folder: Path, cfg: dict) -> dict:
         return {"input": {"download": f"data/{name}/download.json"},
                 "output": {"public": f"results/data/{name}/public.parquet"},
-                "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"]}, "wildcards": {"dataset": name}}
+                "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"],
+                           "untracked": untracked(cfg, "tokenizer.batch_rows")},
+                "wildcards": {"dataset": name}}
 
     return script("prepare_public.py", make, {"datasets": {name: spec}})
 
@@ -559,7 +570,8 @@ def train_tokenizer(name: str | None, public: str = "results/data/synth/public.p
         return {"input": {"public": public},
                 "output": {"tokenizer": "results/tokenizer/tokenizer.json",
                            "info": "results/tokenizer/tokenizer_info.json"},
-                "params": {"name": name, "vocab_size": 300}, "threads": 1}
+                "params": {"name": name, "vocab_size": 300, "untracked": untracked(cfg, "tokenizer.batch_rows")},
+                "threads": 1}
 
     return script("train_tokenizer.py", make, {"datasets": {"synth": {"source": "synthetic"}},
                                                "tokenizer": {"batch_rows": 16}})
@@ -574,7 +586,9 @@ def tokenize_job(examples: str = "results/data/mine/examples.parquet") -> Callab
     def make(folder: Path, cfg: dict) -> dict:
         return {"input": {"examples": examples, "tokenizer": "results/tokenizer/tokenizer.json"},
                 "output": {"tokens": "results/data/mine/tokens.parquet"},
-                "params": {"sequence_length": 16, "long_examples": "truncate"}, "rule": "tokenize"}
+                "params": {"sequence_length": 16, "long_examples": "truncate",
+                           "untracked": untracked(cfg, "tokenizer.batch_rows", "privacy.contribution_stats.private")},
+                "rule": "tokenize"}
 
     return script("tokenize_data.py", make, {"datasets": {"mine": {"source": "synthetic"}}, "tokenizer": {"batch_rows": 8}})
 

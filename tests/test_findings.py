@@ -214,8 +214,8 @@ def test_findings_job_writes_json_and_csv(tmp_path, monkeypatch):
     write_parquet(inputs["mean_estimation"], me_results())
     out_json, out_csv = findings_job.targets(config)
     assert out_json == "results/findings/mystudy.json"
-    result = findings_job.run(config, inputs["summaries"], inputs["pretrained"], inputs["comparison"],
-                              inputs["mean_estimation"], out_json, out_csv)
+    result = findings_job.run(findings_job.params(config), inputs["summaries"], inputs["pretrained"],
+                              inputs["comparison"], inputs["mean_estimation"], out_json, out_csv)
     stored = json.loads((tmp_path / out_json).read_text())
     assert stored["study"] == "mystudy" and stored["counts"] == result["counts"]
     claims = {(f["claim_id"], f["domain"]) for f in stored["findings"]}

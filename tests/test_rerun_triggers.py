@@ -8,6 +8,11 @@ Then `snakemake -n` with one config key changed must plan exactly the rules
 whose params carry that key (and what depends on their outputs), and nothing
 for keys that change no result (threads, batch sizes, checkpointing).
 
+The scripts read no config (tests/test_structure.py): keys that change no
+result reach them in the `untracked` param (userdp.rule_params), which
+Snakemake must not record; the jobs rebuild the config sections they read
+from their params (checked against the whole config below).
+
 Two fast checks back the "changes no result" claims the workflow relies on:
 fine-tuning with another training.physical_batch_size gives the same model,
 and the plan built from a cell's filtered privacy params is the plan built
@@ -23,7 +28,9 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.compute as pc
@@ -102,6 +109,7 @@ SCENARIOS = {
     # keys that change no result, in a file with every key order reversed: nothing reruns
     "no_result_keys": reversed_keys(changed(**{
         "training.threads": 2, "training.checkpoint_every": 3, "training.physical_batch_size": 128,
+        "training.gradient_checkpointing": True,
         "evaluation.batch_size": 7, "evaluation.mem_mb": 3000, "tokenizer.batch_rows": 50, "tokenizer.threads": 1,
         "resources.finetune_mem_mb": 3000,
         "training.sweep_jobs": "per_run",  # a job per run instead of per cell: the same runs
@@ -120,6 +128,8 @@ SCENARIOS = {
     # composed (default): the number of learning rates is part of every plan (each run is calibrated for k runs)
     "more_learning_rates": changed(**{"training.learning_rates": [0.003, 0.01]}),
     "selection_per_run": changed(**{"privacy.selection.accounting": "per_run"}),
+    # a study key no calibration reads (the calibration job gets it untracked): the study reruns, not its calibration
+    "mean_estimation_dimension": changed(**{"mean_estimation.dimension": 4}),
 }
 
 
@@ -228,6 +238,13 @@ def test_the_number_of_learning_rates_replans_every_cell_in_composed_mode(plans)
 
 
 @pytest.mark.integration
+def test_a_study_key_reruns_the_study_but_not_its_calibration(plans):
+    jobs, _ = plans["mean_estimation_dimension"]
+    assert "mean_estimation" in jobs and "mean_estimation_calibration" not in jobs
+    assert set(jobs) <= {"mean_estimation", "findings"} | {r for r in jobs if r.startswith("plot_mean_estimation")}
+
+
+@pytest.mark.integration
 def test_switching_the_selection_accounting_replans_every_cell(plans):
     jobs, _ = plans["selection_per_run"]
     assert jobs["plan"] == 4 and jobs["plan_group_sweep"] == 2 and jobs["finetune"] == 4
@@ -281,3 +298,71 @@ def test_filtered_privacy_params_give_the_same_plans():
     assert reference_epsilon_param(config, "els", "inf") is None  # median rule: G does not depend on epsilon
     assert reference_epsilon_param(config, "uls", "inf") == 4.0
     assert "comparison" not in plan_privacy_params(config, "uls", "4")
+
+
+# --- the untracked param and the jobs' configs rebuilt from params --------------------------------------------
+
+
+def test_snakemake_records_no_untracked_param():
+    """Snakemake's params record (its rerun trigger) skips an Untracked value and keeps a built-in one."""
+    from snakemake.persistence import UNREPRESENTABLE, PersistenceBase
+
+    from userdp.config import validate_config
+    from userdp.rule_params import Untracked, untracked
+
+    config = validate_config(base_config())
+    value = untracked(config, "tokenizer.batch_rows", "training.physical_batch_size")
+    assert isinstance(value, Untracked) and value["training"] == {"physical_batch_size": 64}
+    # the serialisers use no state of the (abstract) persistence: a stand-in self
+    builtin = partial(PersistenceBase._serialize_param_builtin, None)
+    pandas = partial(PersistenceBase._serialize_param_pandas, SimpleNamespace(_serialize_param_builtin=builtin))
+    for serialize in (builtin, pandas):
+        assert serialize(value) is UNREPRESENTABLE
+        assert serialize(dict(value)) == repr(dict(value))
+    import pickle
+
+    assert pickle.loads(pickle.dumps(value)) == value  # the script gets it pickled, like every param
+    with pytest.raises(KeyError, match="training.nope"):
+        untracked(config, "training.nope")
+
+
+@pytest.mark.parametrize("change", [
+    {},
+    {"model.lora": {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["c_attn"]}, "model.name": None},
+    {"training.debug_step_log": True, "training.uls_examples_per_user": 2, "training.optimizer": "sgd"},
+    {"privacy.secret_seeds": True, "training.physical_batch_size": 8, "training.gradient_checkpointing": True},
+])
+def test_the_jobs_configs_rebuilt_from_params_read_as_the_whole_config(change):
+    """What the pretraining, fine-tuning and random-stopping jobs read of the config is the same in the sections
+    their scripts rebuild from the rules' params as in the whole validated config."""
+    from userdp.config import validate_config
+    from userdp.evaluation.random_stopping import job_config
+    from userdp.evaluation.targets import EVALUATE_UNTRACKED_KEYS
+    from userdp.privacy.seed_secrecy import secret_seeds
+    from userdp.rule_params import untracked
+    from userdp.training.settings import TrainSettings
+    from userdp.training.targets import (FINETUNE_UNTRACKED_KEYS, finetune_config, finetune_params,
+                                         finetune_untracked, pretrain_config, pretrain_params)
+
+    full = validate_config(changed(**change))
+    rates = [float(lr) for lr in full["training"]["learning_rates"]]
+    settings = finetune_params(full, "tiny")
+    rebuilt = {
+        "finetune": finetune_config(settings, finetune_untracked(full), rates),
+        "random_stopping": job_config(settings, untracked(full, *FINETUNE_UNTRACKED_KEYS, "evaluation.batch_size"),
+                                      rates, full["evaluation"]["max_users"]),
+    }
+    for name, config in rebuilt.items():
+        assert TrainSettings.from_config(config, 0.01) == TrainSettings.from_config(full, 0.01), name
+        assert config["seed"] == full["seed"] and config["model"].get("lora") == full["model"].get("lora"), name
+        assert secret_seeds(config, "tiny") == secret_seeds(full, "tiny"), name
+        assert config["training"]["learning_rates"] == rates
+    rs = rebuilt["random_stopping"]
+    assert rs["evaluation"] == {k: full["evaluation"][k] for k in ("max_users", "batch_size")}
+    assert rs["training"]["debug_step_log"] == full["training"]["debug_step_log"]
+    assert {k.split(".")[0] for k in EVALUATE_UNTRACKED_KEYS} <= set(full)
+
+    pre = pretrain_config(pretrain_params(full))
+    assert pre["seed"] == full["seed"] and pre["tokenizer"] == {"sequence_length": full["tokenizer"]["sequence_length"]}
+    expected = {k: v for k, v in full["model"].items() if k not in ("name", "lora")}
+    assert pre["model"] == expected and pre["model"].get("name") is None

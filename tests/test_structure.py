@@ -9,6 +9,10 @@
    `if TYPE_CHECKING:`, because each one is a dependency between modules.
 3. Every reference points inside the repository: no file cites the
    development notes kept outside it or a path of one particular machine.
+4. The workflow scripts take their job from their rule: none reads the whole
+   config (`snakemake.config`), so what a job reads is in its rule's params
+   (a rerun trigger, or `untracked`: userdp.rule_params), input, output,
+   wildcards, threads and resources.
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ def test_pin_parser_catches_a_mismatch():
 
 #: Rank of each stage, low to high. A module may import its own stage or lower
 #: ones. The base modules sit below every stage and import none of them.
-BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "code_version", "workers")
+BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "code_version", "workers", "rule_params")
 #: Top level: they may import every stage. config validates the whole config, so it reads each stage's
 #: declarations (the data-source registry, the run settings); no stage imports it. snakemake_args is the
 #: command line of `userdp run` (it starts the workflow); api is the public Python API (docs/api.md).
@@ -366,3 +370,63 @@ def test_no_reference_leaves_the_repository():
                 if pattern in line:
                     hits.append(f"{path.relative_to(ROOT)}:{lineno}: cites {what} ({line.strip()[:100]})")
     assert not hits, "references outside the repository:\n" + "\n".join(hits)
+
+
+# ---------------------------------------------------------------------------- 4. scripts read no config
+
+SCRIPTS_DIR = ROOT / "workflow" / "scripts"
+
+
+def config_reads(source: str, filename: str = "<script>") -> list[str]:
+    """file:line of each read of the `snakemake` object's config in a script's source.
+
+    Reads through an alias count (`sm = snakemake; sm.config`), and so do `getattr(snakemake, "config")` and
+    `vars(snakemake)` / `snakemake.__dict__` (which reach it by another name).
+    """
+    tree = ast.parse(source, filename=filename)
+    aliases = {"snakemake"}
+    for node in ast.walk(tree):  # names bound to the snakemake object (one level of aliasing is what scripts use)
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and isinstance(node.value, ast.Name) \
+                and node.value.id in aliases:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            aliases.update(t.id for t in targets if isinstance(t, ast.Name))
+
+    def is_sm(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id in aliases
+
+    hits: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("config", "__dict__") and is_sm(node.value):
+            hits.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args and is_sm(node.args[0]):
+            name = node.func.id
+            attr = node.args[1] if len(node.args) > 1 else None
+            if name == "vars" or (name in ("getattr", "hasattr") and isinstance(attr, ast.Constant)
+                                  and attr.value == "config"):
+                hits.append((node.lineno, ast.unparse(node)))
+    return [f"{filename}:{line}: {text}" for line, text in sorted(hits)]
+
+
+def test_no_script_reads_the_config():
+    """A script's job comes from its rule (params, input, output, wildcards, threads, resources, log): a script
+    that read `snakemake.config` would depend on keys no rerun trigger covers (tests/test_rerun_triggers.py)."""
+    scripts = sorted(SCRIPTS_DIR.glob("*.py"))
+    assert len(scripts) >= 20, scripts
+    hits = [h for path in scripts
+            for h in config_reads(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))]
+    assert not hits, ("scripts that read the whole config; pass what they read as params of their rule "
+                      "(userdp.rule_params.untracked for keys that change no result):\n" + "\n".join(hits))
+
+
+def test_the_config_read_check_can_fail():
+    source = """
+import snakemake as unrelated_module_name
+sm = snakemake
+x = sm.config["seed"]
+y = snakemake.config.get("training")
+z = getattr(snakemake, "config")
+w = vars(sm)["config"]
+ok = sm.params.config, snakemake.params.untracked["training"], other.config
+"""
+    hits = config_reads(source, "s.py")
+    assert [h.split(":")[1] for h in hits] == ["4", "5", "6", "7"], hits

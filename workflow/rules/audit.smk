@@ -9,7 +9,9 @@
 # claimed one. Not part of rule all: run `snakemake --cores 2 audit`.
 import userdp.evaluation.audit_targets as audit_lib
 from userdp import layout
+from userdp.evaluation.targets import EVALUATE_UNTRACKED_KEYS
 from userdp.plotting.registry import figure_targets
+from userdp.rule_params import untracked
 from userdp.training.targets import base_model, run_outputs
 
 _AUDIT_BUDGET, _AUDIT_STEPS = layout.audit_budget(config)
@@ -84,6 +86,7 @@ rule audit_score:
         audit=audit_lib.score_params(config),
         reference=base_model(config),
         local_reference=not config["model"]["name"],
+        untracked=untracked(config, *EVALUATE_UNTRACKED_KEYS),
     log:
         layout.LOG_AUDIT_SCORE,
     threads: config["training"]["threads"]

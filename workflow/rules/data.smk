@@ -9,6 +9,7 @@
 # for such datasets and no checkpoint is needed.
 from userdp import layout
 from userdp.privacy.targets import stats_private
+from userdp.rule_params import untracked
 from userdp.data.targets import (
     datasets_regex,
     public_datasets_regex,
@@ -21,8 +22,9 @@ DATASETS_RE = datasets_regex(config)
 PUBLIC_DATASETS_RE = public_datasets_regex(config)
 UNKNOWN_DATASETS_RE = unknown_datasets_regex(config)
 DATA_RUNTIME = 240  # minutes; the full Stack Overflow corpus takes hours, the default seconds
-# tokenizer.batch_rows is read by the scripts from the config, not passed as a
-# param: it bounds memory but changes no output, so it must not trigger reruns.
+# tokenizer.batch_rows bounds memory but changes no output: the scripts get it
+# in the `untracked` param, which is no rerun trigger (userdp.rule_params).
+_BATCH_ROWS = untracked(config, "tokenizer.batch_rows")
 
 
 localrules:
@@ -62,6 +64,7 @@ rule prepare_data:
         # With DP contribution statistics contributions.json holds only the
         # public sizes (users per split): the option changes this output.
         contribution_stats_private=stats_private(config),
+        untracked=_BATCH_ROWS,
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:
@@ -84,6 +87,7 @@ rule prepare_public:
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
+        untracked=_BATCH_ROWS,
     wildcard_constraints:
         dataset=PUBLIC_DATASETS_RE,
     log:
@@ -107,6 +111,7 @@ rule train_tokenizer:
     params:
         name=config["tokenizer"]["name"],
         vocab_size=config["tokenizer"]["vocab_size"],
+        untracked=_BATCH_ROWS,
     log:
         layout.LOG_TOKENIZER,
     threads: 2
@@ -128,6 +133,8 @@ rule tokenize:
     params:
         sequence_length=config["tokenizer"]["sequence_length"],
         long_examples=config["tokenizer"]["long_examples"],
+        # with DP contribution statistics the private examples' row and token counts are not logged
+        untracked=untracked(config, "tokenizer.batch_rows", "privacy.contribution_stats.private"),
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:

@@ -16,20 +16,20 @@ from functools import partial
 import userdp.evaluation.targets as eval_targets
 from userdp import layout
 from userdp.plotting.registry import figure_targets
-from userdp.training.targets import base_model, finetune_params, per_cell_jobs, rates_per_job
+from userdp.rule_params import untracked
+from userdp.training.targets import FINETUNE_UNTRACKED_KEYS, base_model, finetune_params, per_cell_jobs, rates_per_job
 
 evaluation_targets = partial(eval_targets.evaluation_targets, config)
 
 # Params hold what changes the metrics: which users are evaluated (max_users,
-# seed). evaluation.batch_size and training.device are read by the script from
-# the config instead: right padding plus masking makes the loss independent of
-# how sequences are batched, and evaluation draws no random numbers on the
-# device, so both change the metrics only by float rounding and changing them
-# reruns nothing (tests/test_rerun_triggers.py, tests/test_eval_metrics.py).
+# seed). evaluation.batch_size and training.device change the metrics only by
+# float rounding: the script gets them in the `untracked` param, which is no
+# rerun trigger (userdp.evaluation.targets.EVALUATE_UNTRACKED_KEYS).
 _EVAL_PARAMS = dict(
     max_users=config["evaluation"]["max_users"],
     seed=config["seed"],
 )
+_EVAL_UNTRACKED = untracked(config, *eval_targets.EVALUATE_UNTRACKED_KEYS)
 
 
 rule evaluate:
@@ -46,6 +46,7 @@ rule evaluate:
         local_model=True,
         learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
         **_EVAL_PARAMS,
+        untracked=_EVAL_UNTRACKED,
     log:
         layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN,
     threads: config["training"]["threads"]
@@ -71,6 +72,7 @@ rule evaluate_pretrained:
         local_model=not config["model"]["name"],
         learning_rate=None,
         **_EVAL_PARAMS,
+        untracked=_EVAL_UNTRACKED,
     log:
         layout.LOG_EVALUATE_PRETRAINED,
     threads: config["training"]["threads"]
@@ -137,6 +139,8 @@ if eval_targets.random_stopping(config):
             learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
             debug_step_log=bool(config["training"]["debug_step_log"]),
             **_EVAL_PARAMS,
+            # what the runs and their evaluations read that changes no result (training.device is in settings)
+            untracked=untracked(config, *FINETUNE_UNTRACKED_KEYS, "evaluation.batch_size"),
         log:
             layout.LOG_RANDOM_STOPPING,
         threads: config["training"]["threads"]
@@ -165,6 +169,10 @@ rule aggregate:
             labels={"table": "metrics per cell", "dataset": "{dataset}"},
         ),
         curves=layout.TRAIN_CURVES,
+    params:
+        # grid.budgets: the steps of each cell's compute budget (userdp.layout.cell_of_dir), in compute order
+        # (the listed order changes no summary)
+        budgets=sorted(config["grid"]["budgets"], key=lambda b: int(b["compute"])),
     log:
         layout.LOG_AGGREGATE,
     threads: 1

@@ -9,16 +9,15 @@
 # (the results table) and the registry's figure targets.
 
 from userdp import layout
+from userdp.rule_params import Untracked
 
 # Only what changes a sampling rate or a privacy target triggers recalibration.
+_ME_CALIBRATION_KEYS = (
+    "n_users", "contributions_median", "contributions_sigma", "epsilons", "budgets", "group_sizes",
+    "group_sweep_epsilon", "delta",
+)
 ME_CALIBRATION_PARAMS = dict(
-    mean_estimation={
-        k: config["mean_estimation"][k]
-        for k in (
-            "n_users", "contributions_median", "contributions_sigma", "epsilons", "budgets", "group_sizes",
-            "group_sweep_epsilon", "delta",
-        )
-    },
+    mean_estimation={k: config["mean_estimation"][k] for k in _ME_CALIBRATION_KEYS},
     seed=config["seed"],
     delta_exponent=config["privacy"]["delta_exponent"],
 )
@@ -29,6 +28,10 @@ rule mean_estimation_calibration:
         layout.MEAN_ESTIMATION_CALIBRATION,
     params:
         calibration=ME_CALIBRATION_PARAMS,
+        # the study's other keys: the job builds the whole study spec (userdp.experiments.mean_estimation.
+        # MeanEstimationSpec) but calibrates from the keys above only, so these are no rerun trigger
+        untracked=Untracked(mean_estimation={k: v for k, v in config["mean_estimation"].items()
+                                             if k not in _ME_CALIBRATION_KEYS}),
     log:
         layout.LOG_MEAN_ESTIMATION_CALIBRATION,
     threads: 2
@@ -50,6 +53,8 @@ rule mean_estimation:
     params:
         mean_estimation=config["mean_estimation"],
         seed=config["seed"],
+        # delta when mean_estimation.delta is null; checked against the calibration's
+        delta_exponent=config["privacy"]["delta_exponent"],
     log:
         layout.LOG_MEAN_ESTIMATION,
     threads: 1

@@ -19,7 +19,8 @@ rule findings:
             labels={"table": "findings: claims, effects, verdicts"},
         ),
     params:
-        settings=config["findings"],
+        # the findings section, the grid's datasets, their diversity levels, where the G sweep runs
+        **findings_job.params(config),
     log:
         layout.LOG_FINDINGS,
     threads: 1

@@ -1,7 +1,8 @@
 """Snakemake script (rule aggregate): the per-dataset summary table (one row per grid cell) and training curves.
 
 Reads the cells' files the rule lists as its named inputs (plans, metrics,
-ledgers, train_logs; userdp.evaluation.targets.summary_inputs).
+ledgers, train_logs; userdp.evaluation.targets.summary_inputs), and grid.budgets
+from its params (each cell's steps).
 """
 
 from userdp.errors import run_main
@@ -13,7 +14,8 @@ log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
 
 def main() -> None:
     sm = snakemake  # noqa: F821
-    summary, curves = build_summary(sm.config, {name: list(files) for name, files in sm.input.items()})
+    config = {"grid": {"budgets": list(sm.params.budgets)}}  # what build_summary reads of the config
+    summary, curves = build_summary(config, {name: list(files) for name, files in sm.input.items()})
     write_summary(summary, curves, sm.output.parquet, sm.output.csv, sm.output.curves)
 
 

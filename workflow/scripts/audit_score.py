@@ -19,13 +19,14 @@ log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 def main() -> None:
     sm = snakemake  # noqa: F821
     torch.set_num_threads(max(1, int(sm.threads)))
+    untracked = sm.params.untracked
     result = audit.audit_cell(
         dataset=sm.wildcards.dataset, model=os.path.dirname(sm.input.model[0]), reference=str(sm.params.reference),
         local_reference=bool(sm.params.local_reference), ledger=read_json(sm.input.ledger),
         canaries=str(sm.input.canaries), scores_out=str(sm.output.scores), result_out=str(sm.output.result),
         confidence=float(sm.params.audit["confidence"]), guess_fractions=list(sm.params.audit["guess_fractions"]),
-        # Not params: they change no score beyond float rounding.
-        batch_size=int(sm.config["evaluation"]["batch_size"]), device=sm.config["training"]["device"],
+        # Untracked: they change no score beyond float rounding.
+        batch_size=int(untracked["evaluation"]["batch_size"]), device=untracked["training"]["device"],
     )
     if result["epsilon_lower_bound_ceiling"] < 1.0:
         log.warning("this audit cannot show an epsilon above %.3g even if every guess is right (%d canaries, "

@@ -39,9 +39,9 @@ def main() -> None:
         dataset=sm.wildcards.dataset,
         root_seed=p.seed,
         max_users=p.max_users,
-        # Not params (they change no metric beyond float rounding, so changing them reruns nothing).
-        batch_size=int(sm.config["evaluation"]["batch_size"]),
-        device=sm.config["training"]["device"],
+        # Untracked (they change no metric beyond float rounding, so changing them reruns nothing).
+        batch_size=int(p.untracked["evaluation"]["batch_size"]),
+        device=p.untracked["training"]["device"],
         local_model=p.local_model,
     )
     for model, rate, result, out in zip(models, rates, results, outputs, strict=True):

@@ -8,27 +8,25 @@ spread over that many data-parallel processes (torchrun); see
 userdp.training.distributed.
 """
 
-import copy
-
-import userdp.config
 import userdp.errors
 import userdp.logutil
 from userdp.training import finetune_job
 from userdp.layout import LEDGER
-from userdp.training.targets import sweep_runs
+from userdp.training.targets import finetune_config, sweep_runs
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
 
 def main() -> None:
     sm = snakemake  # noqa: F821
-    config = userdp.config.validate_config(copy.deepcopy(dict(sm.config)))
+    p = sm.params
+    config = finetune_config(p.settings, p.untracked, p.learning_rates)
     w = sm.wildcards
-    runs = sweep_runs(list(sm.output), LEDGER, list(sm.params.learning_rates))
+    runs = sweep_runs(list(sm.output), LEDGER, list(p.learning_rates))
     jobs = [
         finetune_job.FinetuneJob(
             config=config, plan=str(sm.input.plan), tokens=str(sm.input.tokens), tokenizer=str(sm.input.tokenizer),
-            model=str(sm.params.model), run_dir=run_dir, learning_rate=float(lr), dataset=w.dataset,
+            model=str(p.model), run_dir=run_dir, learning_rate=float(lr), dataset=w.dataset,
             method=w.method, eps=w.eps, budget=w.budget, seed=int(w.seed), threads=int(sm.threads),
             log=str(sm.log[0]),
         )

@@ -18,7 +18,9 @@ log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    spec = me.MeanEstimationSpec.from_config(snakemake.config)
+    p = snakemake.params
+    spec = me.MeanEstimationSpec.from_config({"mean_estimation": dict(p.mean_estimation), "seed": p.seed,
+                                              "privacy": {"delta_exponent": p.delta_exponent}})
     calibration = read_frame(snakemake.input.calibration)
     progress = Progress(log, None, "mean-estimation runs", every_s=5.0)
     start = time.monotonic()

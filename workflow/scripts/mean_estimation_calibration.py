@@ -1,6 +1,7 @@
 """Calibrate the noise of every distinct mean-estimation cell (thin adapter).
 
-Reads the config (snakemake.config), writes results/mean_estimation/calibration.parquet.
+Reads the rule's params (the study keys that change a calibration, and the study's other keys, which the
+spec needs but the calibration does not read), writes results/mean_estimation/calibration.parquet.
 """
 
 from userdp.errors import run_main
@@ -12,7 +13,10 @@ log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    spec = me.MeanEstimationSpec.from_config(snakemake.config)
+    c = snakemake.params.calibration
+    study = {**snakemake.params.untracked["mean_estimation"], **c["mean_estimation"]}
+    spec = me.MeanEstimationSpec.from_config({"mean_estimation": study, "seed": c["seed"],
+                                              "privacy": {"delta_exponent": c["delta_exponent"]}})
     plan = me.plan_calibrations(spec)
     log.info("mean estimation: %d (method, epsilon, budget, G) cells, delta = %.3g", len(plan), spec.delta)
     table = me.calibrate_cells(plan, workers=snakemake.threads)

@@ -22,8 +22,8 @@ def main() -> None:
     source = open_source(name, spec, data_dir=DOWNLOADS, seed=seed)
     out_dir = Path(snakemake.output.contributions).parent  # noqa: F821
     private = bool(snakemake.params.contribution_stats_private)  # noqa: F821
-    stats = prepare_dataset(source, name, spec, out_dir, seed, batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]),  # noqa: F821
-                            private_stats=private)
+    batch_rows = int(snakemake.params.untracked["tokenizer"]["batch_rows"])  # noqa: F821
+    stats = prepare_dataset(source, name, spec, out_dir, seed, batch_rows=batch_rows, private_stats=private)
     if private:  # only the public sizes (userdp.data.prepare.public_view)
         log.info("dataset %s: users %s", name, stats["n_users"])
     else:

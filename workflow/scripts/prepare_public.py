@@ -15,7 +15,8 @@ def main() -> None:
     name = snakemake.wildcards.dataset  # noqa: F821
     spec = copy.deepcopy(dict(snakemake.params.spec))  # noqa: F821
     source = open_source(name, spec, data_dir=DOWNLOADS, seed=int(snakemake.params.seed))  # noqa: F821
-    info = write_public(source, name, snakemake.output[0], batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]))  # noqa: F821
+    batch_rows = int(snakemake.params.untracked["tokenizer"]["batch_rows"])  # noqa: F821
+    info = write_public(source, name, snakemake.output[0], batch_rows=batch_rows)  # noqa: F821
     log.info("dataset %s: public text written: %s", name, info)
 
 

@@ -5,24 +5,24 @@ validation users; the best is released into the cell folder
 (userdp.evaluation.random_stopping).
 """
 
-import copy
-
-import userdp.config
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import random_stopping
 from userdp.layout import cell_of_dir
+from userdp.privacy.spec import RunSpec
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
 
 def main() -> None:
     sm = snakemake  # noqa: F821
-    config = userdp.config.validate_config(copy.deepcopy(dict(sm.config)))
-    cell = cell_of_dir(str(sm.output.ledger).rsplit("/", 1)[0], config)
+    p = sm.params
+    config = random_stopping.job_config(p.settings, p.untracked, list(p.learning_rates), p.max_users)
+    plan = str(sm.input.plan)
+    cell = cell_of_dir(str(sm.output.ledger).rsplit("/", 1)[0], steps=RunSpec.load(plan).steps)
     job = random_stopping.job_from_cell(
-        config, cell, plan=str(sm.input.plan), tokens=str(sm.input.tokens), tokenizer=str(sm.input.tokenizer),
-        model=str(sm.params.model), threads=int(sm.threads), processes=int(getattr(sm.resources, "gpu", 0) or 0),
+        config, cell, plan=plan, tokens=str(sm.input.tokens), tokenizer=str(sm.input.tokenizer),
+        model=str(p.model), threads=int(sm.threads), processes=int(getattr(sm.resources, "gpu", 0) or 0),
         log=str(sm.log[0]),
     )
     random_stopping.run_cell(job, out_metrics=sm.output.metrics, out_ledger=sm.output.ledger,

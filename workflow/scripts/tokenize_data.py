@@ -20,15 +20,16 @@ def main() -> None:
     public = snakemake.rule == "tokenize_public"  # noqa: F821
     fn = tokenize_public if public else tokenize_examples
     # With DP contribution statistics the row and token counts of the private examples are not logged
-    # (docs/privacy.md, "What is treated as public"); read from the config: a log changes no result.
-    private_counts = not public and stats_private(snakemake.config)  # noqa: F821
+    # (docs/privacy.md, "What is treated as public"); an untracked param: a log changes no result.
+    untracked = snakemake.params.untracked  # noqa: F821
+    private_counts = not public and stats_private(untracked)
     info = fn(
         snakemake.input.examples,  # noqa: F821
         Path(snakemake.input.tokenizer).parent,  # noqa: F821
         snakemake.output[0],  # noqa: F821
         int(snakemake.params.sequence_length),  # noqa: F821
         snakemake.params.long_examples,  # noqa: F821
-        batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]),  # noqa: F821
+        batch_rows=int(untracked["tokenizer"]["batch_rows"]),
         threads=int(snakemake.threads),  # noqa: F821
         **({"log_rows": False} if private_counts else {}),
     )

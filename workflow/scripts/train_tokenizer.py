@@ -20,7 +20,7 @@ def main() -> None:
     else:
         # Only the public corpus is an input of this rule: never private text.
         info = train_bpe(snakemake.input.public, int(snakemake.params.vocab_size), out_dir,  # noqa: F821
-                         batch_rows=int(snakemake.config["tokenizer"]["batch_rows"]))  # noqa: F821
+                         batch_rows=int(snakemake.params.untracked["tokenizer"]["batch_rows"]))  # noqa: F821
     log.info("tokenizer written to %s: %s", out_dir, info)
 
 

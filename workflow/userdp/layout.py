@@ -294,18 +294,23 @@ _CELL_DIR_RE = re.compile(
 _CELL_RES = tuple(re.compile(template_regex(t)) for t in (CELL, GROUP_CELL))
 
 
-def cell_of_dir(path: str, config: Mapping) -> Cell:
+def cell_of_dir(path: str, config: Mapping | None = None, *, steps: int | None = None) -> Cell:
     """The grid cell whose folder (CELL_DIR, possibly below another root) is `path`.
 
-    The inverse of Cell.run_dir; the steps come from grid.budgets (steps_for_budget).
+    The inverse of Cell.run_dir; the steps are `steps` when given (e.g. the cell's plan's), else those of
+    the config's grid.budgets entry (steps_for_budget).
     """
     m = _CELL_DIR_RE.fullmatch(str(path).rstrip("/"))
     if m is None:
         raise ValueError(f"{path} is not a grid cell's folder ({CELL_DIR} with {{cell}} {CELL} or {GROUP_CELL})")
     w = next(mm.groupdict() for r in _CELL_RES if (mm := r.fullmatch(m["cell"])) is not None)
     group = w.get("group")
-    return Cell(m["dataset"], w["method"], parse_num(w["eps"]), int(w["budget"]),
-                steps_for_budget(config, w["budget"]), int(w["seed"]), None if group is None else int(group))
+    if steps is None:
+        if config is None:
+            raise TypeError("cell_of_dir needs the config (its grid.budgets) or the cell's steps")
+        steps = steps_for_budget(config, w["budget"])
+    return Cell(m["dataset"], w["method"], parse_num(w["eps"]), int(w["budget"]), int(steps), int(w["seed"]),
+                None if group is None else int(group))
 
 
 def grid_datasets(config: Mapping) -> list[str]:

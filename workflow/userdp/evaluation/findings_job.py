@@ -36,17 +36,28 @@ def targets(config: Mapping) -> list[str]:
     return [layout.FINDINGS.format(study=name), layout.FINDINGS_CSV.format(study=name)]
 
 
-def run(config: Mapping, summaries: Sequence[str], pretrained: Sequence[str], comparison: str,
-        mean_estimation: str, out_json: str, out_csv: str) -> dict:
+def params(config: Mapping) -> dict:
+    """Rule findings' params: what the job reads besides its input files. `settings` (the findings section),
+    the grid's datasets (in the order of the summaries and pretrained inputs), each one's diversity level
+    and where the G sweep runs (layout.group_sweep_point)."""
     datasets = layout.grid_datasets(config)
+    return {"settings": config["findings"], "datasets": datasets,
+            "diversities": {d: diversity_of(config, d) for d in datasets},
+            "group_sweep_point": layout.group_sweep_point(config)}
+
+
+def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], comparison: str,
+        mean_estimation: str, out_json: str, out_csv: str) -> dict:
+    """The findings table from the finished tables; `params` as `params(config)` gives them."""
+    datasets = list(params["datasets"])
     tables = {d: read_frame(p) for d, p in zip(datasets, summaries)}
     pre = {}
     for d, p in zip(datasets, pretrained):
         v = read_json(p).get("test_loss")
         pre[d] = float(v) if v is not None else math.nan
-    spec = config["findings"]
+    spec = params["settings"]
     result = findings.build(
-        tables, pre, {d: diversity_of(config, d) for d in datasets}, layout.group_sweep_point(config),
+        tables, pre, dict(params["diversities"]), dict(params["group_sweep_point"]),
         read_frame(mean_estimation), read_frame(comparison),
         float(spec["loss_tolerance"]), float(spec["relative_tolerance"]), spec["name"],
     )

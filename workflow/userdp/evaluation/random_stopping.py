@@ -40,7 +40,7 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -228,6 +228,17 @@ def run_cell(job: RandomStoppingJob, *, out_metrics: str, out_ledger: str, out_t
              fmt_num(metrics["learning_rate"]), metrics.get("validation_loss"), float(ledger["epsilon"]),
              ledger["epsilon_meaning"])
     return metrics
+
+
+def job_config(settings: Mapping, untracked: Mapping, learning_rates: list[float], max_users: int | None) -> dict:
+    """The config sections a random-stopping job reads, from rule random_stopping's params: those of its runs
+    (userdp.training.targets.finetune_config: `settings`, `untracked`, `learning_rates`, the candidates) and
+    of their evaluation (max_users; evaluation.batch_size from `untracked`)."""
+    from ..training.targets import finetune_config
+
+    config = finetune_config(settings, untracked, learning_rates)
+    config["evaluation"] = {"max_users": max_users, "batch_size": int(untracked["evaluation"]["batch_size"])}
+    return config
 
 
 def job_from_cell(config: dict, cell: layout.Cell, **paths: Any) -> RandomStoppingJob:

@@ -13,6 +13,13 @@ from .. import layout
 from ..training.targets import learning_rate_texts
 
 
+#: The config keys an evaluation reads that change no metric beyond float rounding (right padding plus masking
+#: makes the loss independent of how sequences are batched; evaluation draws no random numbers on the device):
+#: rules evaluate's, evaluate_pretrained's and audit_score's `untracked` param (userdp.rule_params), so changing
+#: them reruns nothing (tests/test_rerun_triggers.py, tests/test_eval_metrics.py).
+EVALUATE_UNTRACKED_KEYS = ("evaluation.batch_size", "training.device")
+
+
 def run_file(dataset: str, cell: str, lr: str, name: str) -> str:
     """File `name` of the run folder (layout.RUN_DIR) of one learning rate of a cell."""
     return f"{layout.RUN_DIR.format(dataset=dataset, cell=cell, lr=lr)}/{name}"

@@ -10,7 +10,8 @@ tokens, tokenizer, base model), its wildcards (cell, learning rate) and:
 - the model spec (targets.model_spec).
 
 Everything derives from that list: rule finetune's `settings` param
-(targets.finetune_params), the checkpoint fingerprint of a run
+(targets.finetune_params; the keys a run reads that change no result are
+its `untracked` param, targets.finetune_untracked), the checkpoint fingerprint of a run
 (`TrainSettings.result_settings`, plus the seeds and digests of the base
 model and the pool in engine.run_fingerprint), and TrainSettings' fields.
 
@@ -41,6 +42,8 @@ from ..errors import ConfigError
 
 # training.* keys that change a fine-tuning run's result (see the module docstring).
 RESULT_TRAINING_KEYS = ("optimizer", "schedule", "warmup_steps", "precision", "uls_examples_per_user", "device")
+# training.* keys a run reads (TrainSettings.from_config) that change no result (see the module docstring).
+EXECUTION_TRAINING_KEYS = ("physical_batch_size", "checkpoint_every", "gradient_checkpointing")
 
 
 @dataclass

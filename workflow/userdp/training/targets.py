@@ -7,14 +7,15 @@ the path logic is unit-testable. The paths are userdp.layout's templates.
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from .. import layout
 from ..errors import ConfigError
 from ..layout import sorted_dict
 from ..privacy import seed_secrecy
 from ..privacy.selection import one_job
-from .settings import RESULT_TRAINING_KEYS
+from ..rule_params import Untracked, untracked
+from .settings import EXECUTION_TRAINING_KEYS, RESULT_TRAINING_KEYS
 
 # The files rule `pretrain` writes (weights, config).
 PRETRAINED_FILES = (f"{layout.PRETRAINED}/{layout.MODEL_WEIGHTS}", f"{layout.PRETRAINED}/{layout.MODEL_CONFIG}")
@@ -205,3 +206,35 @@ def finetune_params(config: dict, dataset: str) -> dict[str, Any]:
     if config["model"].get("lora"):  # only when set: configs without LoRA rerun nothing
         out["lora"] = dict(config["model"]["lora"])
     return sorted_dict(out)
+
+
+#: The config keys a fine-tuning job reads that change no result (settings.EXECUTION_TRAINING_KEYS).
+FINETUNE_UNTRACKED_KEYS = tuple(f"training.{k}" for k in EXECUTION_TRAINING_KEYS)
+
+
+def finetune_untracked(config: Mapping) -> Untracked:
+    """Rule finetune's `untracked` param: what a run reads that changes no result (no rerun trigger)."""
+    return untracked(config, *FINETUNE_UNTRACKED_KEYS)
+
+
+def pretrain_config(settings: Mapping) -> dict[str, Any]:
+    """The config sections userdp.training.pretrain.pretrain reads, from rule pretrain's `settings` param
+    (pretrain_params)."""
+    return {"model": dict(settings["model"]), "tokenizer": {"sequence_length": int(settings["sequence_length"])},
+            "seed": int(settings["seed"])}
+
+
+def finetune_config(settings: Mapping, untracked_keys: Mapping, learning_rates: Iterable[float]) -> dict[str, Any]:
+    """The config sections a fine-tuning job reads (finetune_job.run_job and train_run, TrainSettings.from_config),
+    from rule finetune's params: `settings` (finetune_params), `untracked` (finetune_untracked) and
+    `learning_rates`. The base model itself is the rule's `model` param; privacy.secret_seeds is the value
+    resolved for the job's dataset (seed_secrecy.secret_seeds returns it as is)."""
+    return {
+        "seed": int(settings["seed"]),
+        "model": {"lora": dict(settings["lora"]) if settings.get("lora") else None},
+        "tokenizer": {"sequence_length": int(settings["sequence_length"])},
+        "privacy": {"secret_seeds": bool(settings["secret_seeds"])},
+        "training": {**settings["training"], **untracked_keys["training"],
+                     "debug_step_log": bool(settings.get("debug_step_log", False)),
+                     "learning_rates": [float(lr) for lr in learning_rates]},
+    }
