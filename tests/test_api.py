@@ -139,6 +139,15 @@ def test_the_planner_is_the_pipelines(workdir):
     ({"lora": {"rank": 8}}, ConfigError, "model.lora"),
     ({"privacy": {"clip_norm": -1}}, ConfigError, "privacy.clip_norm"),
     ({"data": "rows.parquet"}, DataError, "DataFrame"),
+    ({"group_size": 0}, ConfigError, "group_size is 0"),
+    ({"group_size": 2.5}, ConfigError, "group_size is 2.5"),
+    ({"group_size": 1000}, ConfigError, "physical_batch_size"),
+    ({"lora": {"target_modules": ["q_proj"]}}, ConfigError, "c_attn"),
+    ({"sequence_length": 512}, ConfigError, "at most 64"),
+    ({"training": {"learning_rates": [0.1, 0.01]}}, ConfigError, "trains one run"),
+    ({"secret_seeds": True, "privacy": {"secret_seeds": False}}, ConfigError, "give one of them"),
+    ({"data": "MIXED_IDS"}, DataError, "mixes integer and string"),
+    ({"data": "BOOL_IDS"}, DataError, "is a bool"),
     ({"data": "BLANK_USER"}, DataError, "row 1 has no user id"),
     ({"data": "NUMBER_TEXT"}, DataError, "not text"),
 ])
@@ -156,6 +165,10 @@ def test_bad_input_is_refused_and_nothing_is_written(workdir, tmp_path, change, 
         kw["data"] = rows.assign(author=["a"] + [""] + list(rows["author"][2:]))
     if isinstance(kw["data"], str) and kw["data"] == "NUMBER_TEXT":
         kw["data"] = rows.assign(body=[1.5] * len(rows))
+    if isinstance(kw["data"], str) and kw["data"] == "MIXED_IDS":
+        kw["data"] = rows.assign(author=[7] + ["7"] * (len(rows) - 1))
+    if isinstance(kw["data"], str) and kw["data"] == "BOOL_IDS":
+        kw["data"] = rows.assign(author=[True] * len(rows))
     with pytest.raises(error, match=match):
         userdp.fine_tune(**kw)
     assert not (tmp_path / "out").exists()
@@ -182,6 +195,30 @@ def test_all_matches_the_names_docs_api_lists():
         userdp.no_such_name  # noqa: B018
 
 
+def test_plan_refuses_bad_counts_and_epsilon_of_a_spec_is_the_released_guarantee():
+    for bad in ([3, 0, 2], [[1, 2], [3, 4]], [2.7, 3.0], []):
+        with pytest.raises(DataError, match="counts must be"):
+            userdp.plan("els", 2.0, counts=bad, compute=100, steps=5)
+    counts = [3] * 200
+    three = userdp.plan("els", 2.0, counts=counts, compute=600, steps=10, learning_rates=3)
+    assert three.epsilon_target_of == "released model"
+    assert userdp.epsilon(three) == pytest.approx(three.epsilon_achieved, rel=1e-6) and userdp.epsilon(three) <= 2.0
+    assert userdp.epsilon(three, per_run=True) == pytest.approx(three.epsilon_per_run, rel=1e-6)
+    assert userdp.epsilon(three, per_run=True) < 0.8 * userdp.epsilon(three)
+
+
+def test_a_lora_run_loads_from_another_folder(workdir, tmp_path, monkeypatch):
+    """A relative model path is recorded absolute (the adapter names its base), so the released model loads
+    from anywhere."""
+    monkeypatch.chdir(workdir)
+    run = userdp.fine_tune(model="ckpt", data=users_frame(20), user_column="author", text_column="body",
+                           method="els", epsilon=8.0, compute=60, steps=3, lora={"r": 2}, output_dir="out/rel")
+    assert run.output_dir.is_absolute()
+    monkeypatch.chdir(tmp_path)
+    model, ledger = userdp.load_released(run.output_dir, with_ledger=True)
+    assert ledger["adapter"]["base_model"] == str(workdir / "ckpt") and not hasattr(model, "peft_config")
+
+
 def test_a_damaged_plan_is_a_clear_error(tmp_path):
     from userdp.io import write_json
 
@@ -192,6 +229,12 @@ def test_a_damaged_plan_is_a_clear_error(tmp_path):
         "mistyped": (dict(good, steps="5"), "'steps' is '5', not a int"),
         "unknown": (dict(good, sigma=1.0), r"unknown plan field\(s\) \['sigma'\]"),
         "edited": (dict(good, sampling_rate=good["sampling_rate"] * 2), "edited after calibration"),
+        "event removed": ({k: v for k, v in good.items() if k != "dp_event"}, r"\['dp_event'\] missing"),
+        "null field": (dict(good, sampling_rate=None), r"\['sampling_rate'\] are null"),
+        "noise dropped": (dict(good, noise_multiplier=0.0, dp_event={"module_name": "dp_accounting.dp_event",
+                                                                      "class_name": "NonPrivateDpEvent"}),
+                          "a private target needs noise"),
+        "release removed": (dict(good, planning_sizes="DP histogram"), "contribution_stats is absent"),
         "no clip": (dict(good, clip_norm=None), "clip_norm is null"),
         "method": (dict(good, method="dpsgd"), "method is 'dpsgd'"),
     }

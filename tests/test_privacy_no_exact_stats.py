@@ -36,6 +36,7 @@ import yaml
 from leak_scan import exact_statistics, file_values, find_leaks, leaks_in
 
 from userdp import layout
+from userdp.privacy.spec import RunSpec
 
 pytestmark = pytest.mark.integration
 
@@ -114,7 +115,6 @@ def test_no_artifact_or_log_holds_an_exact_statistic(run):
 
 def test_summary_rows_hold_no_exact_statistic(run, tmp_path):
     from userdp.evaluation.aggregate import cell_row
-    from userdp.privacy.spec import RunSpec
 
     _, targets = _targets_of(run)
     for cell in CELLS:
@@ -137,7 +137,7 @@ def test_plans_and_ledgers_use_only_the_release_and_n(run):
 
     hist = NoisyHistogram.from_release(release)
     for cell in CELLS:
-        plan = json.loads((run / cell.plan_path).read_text())
+        plan = RunSpec.load(run / cell.plan_path)
         ledger = json.loads((run / cell.lr_dir(LR) / layout.LEDGER).read_text())
         G = plan.group_size
         assert plan.planning_sizes == "DP histogram" and plan.n_train_examples is None
@@ -178,7 +178,7 @@ def test_the_scan_finds_the_statistics_of_the_default_mode(run, tmp_path):
     privacy = {"delta_exponent": 1.1, "clip_norm": 1.0, "group_size": {"els": 32}}
     plan = plan_cell(dataset="tiny", method="els", epsilon=4.0, compute_budget=K, steps=T, counts=counts,
                      privacy=privacy)
-    hits = leaks_in(file_values(_dump(tmp_path / "plan.json", plan)), targets)
+    hits = leaks_in(file_values(_dump(tmp_path / "plan.json", plan.to_record())), targets)
     assert {"N_G, G=32", "ELS q from exact N_G, G=32, K=64"} <= {h.split(" = ")[0] for h in hits}
     log = tmp_path / "x.log"
     log.write_text(f"pool={int(np.minimum(counts, 32).sum())} examples q={plan.sampling_rate:.6g}\n")

@@ -41,6 +41,7 @@ CONFIG = {
 
 def build_inputs(root: Path) -> dict:
     from privacy_helpers import epsilon_of
+    from userdp.privacy.spec import RunSpec
     from userdp.training.pool import build_pool
 
     cfg = validate_config(json.loads(json.dumps(CONFIG)))
@@ -56,14 +57,13 @@ def build_inputs(root: Path) -> dict:
         n = pool.n_examples if cell.method == "els" else pool.n_users
         expected = 4.0 if cell.method == "els" else 2.0
         q, sigma, delta = expected / n, 1.0, 1e-3
-        write_json(root / cell.plan_path, {
-            "dataset": cell.dataset, "method": cell.method, "epsilon": cell.epsilon, "delta": delta, "group_size": G,
-            "sampling_rate": q, "steps": cell.steps, "expected_batch": expected, "noise_multiplier": sigma,
-            "epsilon_achieved": epsilon_of(cell.method, sigma, q, cell.steps, delta,
-                                                group_size=G if cell.method == "els" else 1),
-            "compute_budget": cell.compute, "accountant": "pld", "group_size_rule": "explicit",
-            "clip_norm": 1.0, "clipping": "flat",
-        })
+        RunSpec(
+            dataset=cell.dataset, method=cell.method, epsilon=cell.epsilon, delta=delta, group_size=G,
+            sampling_rate=q, steps=cell.steps, expected_batch=expected, noise_multiplier=sigma,
+            epsilon_achieved=epsilon_of(cell.method, sigma, q, cell.steps, delta,
+                                        group_size=G if cell.method == "els" else 1),
+            compute_budget=cell.compute, accountant="pld", group_size_rule="explicit", clip_norm=1.0, clipping="flat",
+        ).write(root / cell.plan_path)
     (root / "extra.yaml").write_text(yaml.safe_dump(CONFIG))
     (root / "Snakefile").write_text(
         f'include: "{REPO}/workflow/rules/common.smk"\n'

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -106,8 +108,9 @@ class ConstantGradients:
 
 
 def plan_for(pool, method: str, *, expected: float, steps: int, sigma: float = 1.0, clip: float | None = 1.0,
-             delta: float = 1e-4, epsilon: float = 8.0, epsilon_achieved: float | None = None) -> RunSpec:
-    """A run spec for `pool` with sampling rate expected / N."""
+             delta: float = 1e-4, epsilon: float | None = None, epsilon_achieved: float | None = None) -> RunSpec:
+    """A run spec for `pool` with sampling rate expected / N (epsilon: 8, or inf without noise)."""
+    epsilon = (8.0 if sigma > 0 else math.inf) if epsilon is None else epsilon
     n = pool.n_examples if method == "els" else pool.n_users
     q = expected / n
     return RunSpec(

@@ -25,13 +25,14 @@ import logging
 import math
 import numbers
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ConfigError, DataError, PrivacyError
+from .errors import ConfigError, DataError, PrivacyError, UserError
 from .layout import LEDGER, PLAN_FILE, RUN_MODEL, fmt_num
 from .privacy.spec import RunSpec
 
@@ -99,6 +100,25 @@ def _check_target(method: str, epsilon: Any, compute: Any, steps: Any) -> float:
     return float(epsilon)
 
 
+def _check_group_size(group_size: Any) -> int | None:
+    if group_size is None:
+        return None
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ConfigError(f"group_size is {group_size!r}; give a whole number G >= 1 (each user's examples are "
+                          "bounded to G), or None for the method's rule.")
+    return int(group_size)
+
+
+def _check_counts(counts: Any) -> np.ndarray:
+    arr = np.asarray(counts)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer) or (arr < 1).any():
+        raise DataError(f"counts must be a non-empty 1-D sequence of whole numbers >= 1, one per train user (the "
+                        f"examples each contributes); got shape {arr.shape}, dtype {arr.dtype}"
+                        + (f", smallest {arr.min()}" if arr.size and np.issubdtype(arr.dtype, np.number) else "")
+                        + ".")
+    return arr.astype(np.int64)
+
+
 def plan(method: str, epsilon: float, *, counts: Sequence[int] | np.ndarray, compute: int, steps: int,
          delta: float | None = None, group_size: int | None = None, privacy: Mapping[str, Any] | None = None,
          learning_rates: int = 1, dataset: str = "data", contribution_stats: Any = None,
@@ -121,6 +141,8 @@ def plan(method: str, epsilon: float, *, counts: Sequence[int] | np.ndarray, com
     from .privacy.selection import Selection
 
     eps = _check_target(method, epsilon, compute, steps)
+    group_size = _check_group_size(group_size)
+    counts = _check_counts(counts)
     section = dict(privacy or {})
     if delta is not None:
         section["delta"] = delta
@@ -130,21 +152,29 @@ def plan(method: str, epsilon: float, *, counts: Sequence[int] | np.ndarray, com
     elif not isinstance(selection, Selection):
         selection = Selection.from_record(selection)
     return plan_cell(dataset=dataset, method=method, epsilon=eps, compute_budget=int(compute), steps=int(steps),
-                     counts=np.asarray(counts, dtype=np.int64), privacy=cfg, group_size=group_size,
+                     counts=counts, privacy=cfg, group_size=group_size,
                      reference_epsilon=reference_epsilon, stats=contribution_stats, selection=selection)
 
 
-def epsilon(source: RunSpec | Mapping[str, Any] | str | os.PathLike, delta: float | None = None) -> float:
-    """Epsilon at `delta` (default: the one recorded) re-accounted from the event itself, by the PLD accountant.
+def epsilon(source: RunSpec | Mapping[str, Any] | str | os.PathLike, delta: float | None = None, *,
+            per_run: bool = False) -> float:
+    """Epsilon at `delta` (default: the one recorded) re-accounted from the events themselves.
 
-    source: a RunSpec (one run of its T steps, composed with its DP contribution statistics: what a complete
-    run's ledger records), a ledger (dict) or a run folder / ledger.json path (from its `dp_event`: the steps that
-    ran). A run without noise has no guarantee: inf.
+    source: a RunSpec: the released model's guarantee under the spec's learning-rate selection (its
+    candidate runs of T steps each, composed with its DP contribution statistics: what `spec.epsilon_achieved`
+    predicts); with `per_run`, one run's own epsilon (what a complete run's ledger records). Or a ledger (dict)
+    or a run folder / ledger.json path: that run's epsilon from its `dp_event` (the steps that ran). A run
+    without noise has no guarantee: inf.
     """
+    from .privacy.contribution_stats import events_from_record
     from .training.ledger import guarantee_epsilon, run_event
 
     if isinstance(source, RunSpec):
-        return guarantee_epsilon([source.event], source.delta if delta is None else delta, source.contribution_stats)
+        at = source.delta if delta is None else delta
+        if per_run:
+            return guarantee_epsilon([source.event], at, source.contribution_stats)
+        return source.selection_policy.released_epsilon(source.mechanism, source.noise_multiplier, at,
+                                                        events_from_record(source.contribution_stats))
     ledger = read_ledger(source) if isinstance(source, (str, os.PathLike)) else source
     return guarantee_epsilon([run_event(ledger)], float(ledger["delta"]) if delta is None else delta,
                              ledger.get("contribution_stats"))
@@ -199,17 +229,24 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_col
     from .config import API_DATASET, run_config
 
     eps = _check_target(method, epsilon, compute, steps)
+    group_size = _check_group_size(group_size)
     out = _output_dir(output_dir)
+    model = _local_or_hub(model)
     train = dict(training or {})
     if learning_rate is not None:
         train["learning_rates"] = [learning_rate]
+    if len(train.get("learning_rates") or [None]) != 1:
+        raise ConfigError(f"training.learning_rates is {train['learning_rates']}: fine_tune trains one run; pass "
+                          "learning_rate= (choosing among rates on held-out users is the pipeline's "
+                          "privacy.selection).")
     privacy_section = dict(privacy or {})
     if delta is not None:
         privacy_section["delta"] = delta
-    cfg = run_config(model=str(model), tokenizer=None if tokenizer is None else str(tokenizer),
+    cfg = run_config(model=model, tokenizer=None if tokenizer is None else _local_or_hub(tokenizer),
                      lora=None if lora is None else dict(lora), seed=seed, privacy=privacy_section, training=train,
                      sequence_length=sequence_length)
     lr = float(cfg["training"]["learning_rates"][0])
+    secret = _secret(secret_seeds, cfg["privacy"]["secret_seeds"])
     users, texts = _rows(data, user_column, text_column)
     with tempfile.TemporaryDirectory(prefix="userdp-fine-tune-") as staging:
         tok = _tokenizer(cfg["tokenizer"]["name"], Path(staging) / "tokenizer")
@@ -217,8 +254,7 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_col
         counts = np.unique(np.asarray(users), return_counts=True)[1]
         spec = plan(method, eps, counts=counts, compute=compute, steps=steps, group_size=group_size,
                     privacy=cfg["privacy"], dataset=API_DATASET)
-        secret = True if secret_seeds is None else bool(secret_seeds)
-        outcome = _train(cfg, spec, table, tok, str(model), out, lr, method, eps, int(compute), secret)
+        outcome = _train(cfg, spec, table, tok, model, out, lr, method, eps, int(compute), secret)
     spec.write(out / PLAN_FILE)
     return FineTuneResult(out, spec, outcome.ledger)
 
@@ -233,17 +269,37 @@ def _train(cfg: dict, spec: RunSpec, table: Any, tok: Any, model: str, out: Path
     run_seed = 0
     pool = build_pool(table, spec.group_size,
                       finetune_job.bounding_seed(cfg["seed"], API_DATASET, run_seed, spec.group_size))
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    outcome = finetune_job.train_run(finetune_job.RunInputs(
-        config=cfg, spec=spec, pool=pool, tokenizer=tok, model=model, run_dir=str(out), learning_rate=lr,
-        dataset=API_DATASET, method=method, eps=fmt_num(eps), budget=compute, seed=run_seed, secret=secret))
+    try:
+        outcome = finetune_job.train_run(finetune_job.RunInputs(
+            config=cfg, spec=spec, pool=pool, tokenizer=tok, model=model, run_dir=str(out), learning_rate=lr,
+            dataset=API_DATASET, method=method, eps=fmt_num(eps), budget=compute, seed=run_seed, secret=secret))
+    except UserError:
+        if created:  # bad input found while setting up (model, LoRA, G vs batch size): leave nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     if not outcome.complete:  # pragma: no cover - train without max_steps runs to T or raises
         raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{spec.steps}")
     return outcome
 
 
+def _secret(argument: bool | None, configured: bool | None) -> bool:
+    """secret_seeds=, else privacy.secret_seeds, else True (user data: fresh OS entropy, never written)."""
+    if argument is not None and configured is not None and bool(argument) != bool(configured):
+        raise ConfigError(f"secret_seeds={argument} but privacy.secret_seeds is {configured}; give one of them.")
+    return bool(argument if argument is not None else (True if configured is None else configured))
+
+
+def _local_or_hub(name: str | os.PathLike) -> str:
+    """A local folder as an absolute path (a LoRA adapter records its base model's path: it must load from
+    anywhere), a hub id as it is."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else str(name)
+
+
 def _output_dir(output_dir: str | os.PathLike) -> Path:
-    out = Path(output_dir).expanduser()
+    out = Path(output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {output_dir} is a file; give a folder (it is created if missing).")
     return out
@@ -260,19 +316,29 @@ def _rows(data: Any, user_column: str, text_column: str) -> tuple[list[str], lis
     if missing:
         raise DataError(f"data has no column(s) {missing} (user_column {user_column!r}, text_column "
                         f"{text_column!r}); its columns are {columns}. Rename them or pass the right names.")
+    twice = sorted({c for c in (user_column, text_column) if columns.count(c) > 1})
+    if twice:
+        raise DataError(f"data has the column(s) {twice} more than once; rename or drop the copies.")
     users, texts = _column(data, user_column), _column(data, text_column)
     if not users:
         raise DataError("data has no rows; it needs at least one row per train user.")
+    from pandas import isna
+
+    kinds = set()
     for i, (u, t) in enumerate(zip(users, texts)):
-        if u is None or (isinstance(u, float) and math.isnan(u)) or not str(u).strip():
+        if u is None or (not isinstance(u, (str, list, tuple)) and isna(u)) or not str(u).strip():
             raise DataError(f"data row {i} has no user id in column {user_column!r}; every row needs one: fill "
                             "it in or drop the row.")
-        if not isinstance(u, (str, numbers.Integral)):
+        if isinstance(u, bool) or not isinstance(u, (str, numbers.Integral)):
             raise DataError(f"data row {i}: user id {u!r} in column {user_column!r} is a {type(u).__name__}; "
                             "user ids must be strings or integers.")
+        kinds.add(str if isinstance(u, str) else int)
         if not isinstance(t, str):
             raise DataError(f"data row {i}: column {text_column!r} holds {t!r} ({type(t).__name__}), not text; "
                             "store the texts as strings and drop rows without one.")
+    if len(kinds) > 1:
+        raise DataError(f"column {user_column!r} mixes integer and string user ids (7 and '7' would become one "
+                        "user); store them all as strings or all as integers.")
     return [str(u) for u in users], list(texts)
 
 

@@ -86,9 +86,12 @@ class RunSpec:
     median_train: float | None = None
     contribution_counts: str | None = None
 
-    #: Fields every plan must have (the rest default to None: not recorded).
+    #: Fields every plan file must have (the rest default to None: not recorded). Only clip_norm and clipping
+    #: may be null (the non-private reference). A spec built in code gets its dp_event computed.
     REQUIRED: ClassVar[tuple[str, ...]] = ("dataset", "method", "epsilon", "delta", "group_size", "sampling_rate",
-                                           "steps", "expected_batch", "noise_multiplier", "clip_norm", "clipping")
+                                           "steps", "expected_batch", "noise_multiplier", "clip_norm", "clipping",
+                                           "dp_event")
+    NULLABLE: ClassVar[tuple[str, ...]] = ("clip_norm", "clipping")
     #: Left out of the record when None (the planner writes them only when they apply).
     OPTIONAL_IN_RECORD: ClassVar[tuple[str, ...]] = ("contribution_stats", "group_size_candidates",
                                                      "group_size_reference_epsilon", "contribution_counts")
@@ -107,6 +110,9 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         """Check the mechanism's fields (PrivacyError; `from_record` turns it into a DataError naming the file)."""
+        nulls = [k for k in self.REQUIRED if k not in self.NULLABLE and k != "dp_event" and getattr(self, k) is None]
+        if nulls:
+            raise PrivacyError(f"plan field(s) {nulls} are null; each needs a value.")
         if self.method not in mechanism_lib.METHODS:
             raise PrivacyError(f"method is {self.method!r}; allowed: {', '.join(mechanism_lib.METHODS)}.")
         if not (0 < self.sampling_rate <= 1):
@@ -128,11 +134,19 @@ class RunSpec:
             raise PrivacyError(f"clipping is {self.clipping!r}; allowed: {', '.join(CLIPPING_MODES)} or null.")
         if not self.expected_batch >= 0:
             raise PrivacyError(f"expected_batch is {self.expected_batch}; it must be >= 0.")
-        if self.dp_event is not None:
-            recorded = mechanism_lib.event_from_json(self.dp_event, "dp_event")
-            if recorded != self.event:
-                raise PrivacyError("dp_event is not the event of the recorded mechanism (method, sampling_rate, "
-                                   "steps, group_size, noise_multiplier): the plan was edited after calibration.")
+        if math.isinf(self.epsilon) != (self.noise_multiplier == 0):
+            raise PrivacyError(f"epsilon is {self.epsilon} with noise_multiplier {self.noise_multiplier}: a private "
+                               "target needs noise and only the non-private reference (epsilon inf) runs without.")
+        if self.planning_sizes is not None and (self.contribution_stats is not None) != self.sizes_from_release:
+            raise PrivacyError(f"planning_sizes is {self.planning_sizes!r} but contribution_stats is "
+                               f"{'absent' if self.contribution_stats is None else 'present'}: sizes come from the "
+                               "DP contribution statistics exactly when their release is recorded.")
+        expected = mechanism_lib.event_to_json(self.event)
+        if self.dp_event is None:
+            object.__setattr__(self, "dp_event", expected)
+        elif not _same(self.dp_event, expected):
+            raise PrivacyError("dp_event is not the event of the recorded mechanism (method, sampling_rate, "
+                               "steps, group_size, noise_multiplier): the plan was edited after calibration.")
 
     # ------------------------------------------------------------------ derived views
 
@@ -182,7 +196,8 @@ class RunSpec:
         return self.epsilon_per_run if self.epsilon_per_run is not None else self.epsilon_achieved
 
     def replace(self, **changes: Any) -> "RunSpec":
-        """A copy with `changes` (validated again)."""
+        """A copy with `changes` (validated again); its dp_event is recomputed unless `changes` gives one."""
+        changes.setdefault("dp_event", None)
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ serialisation
@@ -245,6 +260,18 @@ class RunSpec:
         from ..io import write_json
 
         write_json(path, self.to_record())
+
+
+def _same(a: Any, b: Any, rel: float = 1e-9) -> bool:
+    """Two event records equal up to float rounding (another scipy may round the mixture's weights otherwise)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return set(a) == set(b) and all(_same(a[k], b[k], rel) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=rel,
+                                                                                            abs_tol=1e-300)
+    return a == b
 
 
 def _typed(key: str, value: Any, kind: str, where: str, fix: str) -> Any:

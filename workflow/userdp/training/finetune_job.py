@@ -78,9 +78,10 @@ def bounding_seed(config_seed: int, dataset: str, run_seed: int, group_size: int
     return derive_seed(config_seed, dataset, int(run_seed), int(group_size), "bounding")
 
 
-def load_base_model(name: str, tokenizer: Any, lora: dict | None, config_seed: int) -> torch.nn.Module:
-    """The base model to fine-tune, checked against the tokenizer, with LoRA adapters when `lora` is set
-    (only they train; their init is public: lora_B = 0)."""
+def load_base_model(name: str, tokenizer: Any, lora: dict | None, config_seed: int,
+                    sequence_length: int | None = None) -> torch.nn.Module:
+    """The base model to fine-tune, checked against the tokenizer and the sequence length, with LoRA adapters
+    when `lora` is set (only they train; their init is public: lora_B = 0)."""
     model = models.load_model(name)
     vocab = model.get_input_embeddings().num_embeddings
     if vocab < len(tokenizer):
@@ -88,6 +89,10 @@ def load_base_model(name: str, tokenizer: Any, lora: dict | None, config_seed: i
             f"model {name} has {vocab} token embeddings but the tokenizer has {len(tokenizer)} tokens; set "
             f"tokenizer.name to the model's own tokenizer (model.name {name!r})."
         )
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if sequence_length is not None and positions is not None and int(sequence_length) > int(positions):
+        raise ConfigError(f"tokenizer.sequence_length is {sequence_length} but model {name} has {positions} "
+                          f"positions; set it to at most {positions}.")
     return models.apply_lora(model, lora, derive_seed(config_seed, "lora_init"))
 
 
@@ -116,7 +121,8 @@ class RunInputs:
 def train_run(run: RunInputs, dist: distributed.DistContext | None = None) -> engine.TrainOutcome:
     """Fine-tune the base model on the pool with the spec's mechanism (engine.train) into the run folder."""
     config = run.config
-    model = load_base_model(run.model, run.tokenizer, config["model"].get("lora"), config["seed"])
+    model = load_base_model(run.model, run.tokenizer, config["model"].get("lora"), config["seed"],
+                            config["tokenizer"]["sequence_length"])
     settings = TrainSettings.from_config(config, float(run.learning_rate))
     seeds = engine.run_seeds(config["seed"], int(run.seed), run.dataset, run.method, run.eps, run.budget,
                              run.spec.group_size, float(run.learning_rate), secret=run.secret, trial=run.trial)

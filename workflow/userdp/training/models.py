@@ -100,9 +100,11 @@ def apply_lora(model: torch.nn.Module, lora: dict[str, Any] | None, seed: int) -
     try:
         peft_model = get_peft_model(model, cfg)
     except ValueError as exc:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, (torch.nn.Linear, Conv1D)) and n})
         raise ConfigError(f"model.lora.target_modules {lora.get('target_modules')!r} does not fit "
-                          f"{type(model).__name__}: {exc}. Name modules of the model (e.g. q_proj, v_proj) "
-                          "or leave it null for every linear layer.") from exc
+                          f"{type(model).__name__}: {str(exc).rstrip('.')}. Name linear modules of this model "
+                          f"({', '.join(linear[:12])}) or leave it null for every linear layer.") from exc
     n_train = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     if n_train == 0:
         raise ConfigError(f"model.lora.target_modules {lora.get('target_modules')!r} matched no module of "
