@@ -87,6 +87,16 @@ def test_the_snippet_runs_and_its_epsilon_is_the_released_guarantee(workdir, mon
     assert userdp.epsilon(ledger) == pytest.approx(run.epsilon, rel=1e-9)
     assert userdp.epsilon(run.spec) == pytest.approx(run.epsilon, rel=1e-9)
     assert ledger["complete"] and ledger["steps_completed"] == 20 and ledger["seeds_mode"] == "secret"
+    # method.md section 10 on the API path: the sampling the plan accounted for is the one that ran (its rate,
+    # the divisor q N = the planned expected batch, invariant 2), no user over G in the pool (invariant 3: the
+    # pool is N_G = sum_u min(n_u, G)), the ledger's epsilon is the plan's (invariant 6), no secret state left
+    spec = run.spec
+    assert ledger["sampling_rate"] == spec.sampling_rate and ledger["group_size"] == spec.group_size
+    assert ledger["expected_batch"] == pytest.approx(spec.expected_batch, rel=1e-9)
+    counts = pd.read_parquet("my_users.parquet")["author"].value_counts().to_numpy()
+    assert ledger["n_pool_examples"] == int(np.minimum(counts, spec.group_size).sum())
+    assert run.epsilon == pytest.approx(spec.epsilon_achieved, rel=1e-9)
+    assert not (workdir / "out" / f"{method}-eps4" / "checkpoint").exists()
     assert run.delta == pytest.approx(1 / 60 ** 1.1) and run.noise_multiplier > 0
     spec = userdp.RunSpec.load(out / "plan.json")
     assert spec == run.spec and spec.method == method and spec.group_size == run.group_size
