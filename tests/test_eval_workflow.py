@@ -42,7 +42,7 @@ def build_inputs(root: Path) -> dict:
     for i, cell in enumerate(iter_cells(cfg)):
         g = cell.group_size or (3 if cell.method == "els" else 4)
         write_json(root / cell.plan_path, plan_record(cell.method, cell.epsilon, delta=1e-3, group_size=g,
-                                                      noise_multiplier=1.0, steps=cell.steps))
+                                                      steps=cell.steps))
         for j, lr in enumerate(cfg["training"]["learning_rates"]):
             run = root / cell.run_dir / f"lr~{fmt_num(lr)}"
             tiny_gpt2(run / "model", seed=100 + 10 * i + j)
