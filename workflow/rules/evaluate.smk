@@ -49,7 +49,10 @@ rule evaluate:
         untracked=_EVAL_UNTRACKED,
     log:
         layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN,
+    benchmark:
+        layout.benchmark_of(layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN),
     threads: config["training"]["threads"]
+    priority: PRIORITY["evaluate"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
         runtime=config["evaluation"]["runtime"] * rates_per_job(config),
@@ -75,7 +78,10 @@ rule evaluate_pretrained:
         untracked=_EVAL_UNTRACKED,
     log:
         layout.LOG_EVALUATE_PRETRAINED,
+    benchmark:
+        layout.benchmark_of(layout.LOG_EVALUATE_PRETRAINED),
     threads: config["training"]["threads"]
+    priority: PRIORITY["evaluate"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
         runtime=config["evaluation"]["runtime"],
@@ -104,6 +110,8 @@ rule select_lr:
         debug_step_log=bool(config["training"]["debug_step_log"]),
     log:
         layout.LOG_SELECT_LR,
+    benchmark:
+        layout.benchmark_of(layout.LOG_SELECT_LR),
     threads: 1
     resources:
         mem_mb=1000,
@@ -143,6 +151,8 @@ if eval_targets.random_stopping(config):
             untracked=untracked(config, *FINETUNE_UNTRACKED_KEYS, "evaluation.batch_size"),
         log:
             layout.LOG_RANDOM_STOPPING,
+        benchmark:
+            layout.benchmark_of(layout.LOG_RANDOM_STOPPING),
         threads: config["training"]["threads"]
         resources:
             mem_mb=max(config["resources"]["finetune_mem_mb"], config["evaluation"]["mem_mb"]),
@@ -175,6 +185,8 @@ rule aggregate:
         budgets=sorted(config["grid"]["budgets"], key=lambda b: int(b["compute"])),
     log:
         layout.LOG_AGGREGATE,
+    benchmark:
+        layout.benchmark_of(layout.LOG_AGGREGATE),
     threads: 1
     resources:
         mem_mb=2000,
