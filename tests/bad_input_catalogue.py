@@ -1357,7 +1357,7 @@ FAULTS: list[Fault] = [
           "tests/test_fault_kills.py::test_stopping_snakemake_never_redoes_finished_training"),
     Fault("sigterm-snakemake", "SIGTERM to snakemake (`kill PID`) while a fine-tuning job runs",
           "no new job starts; the running job finishes and is recorded; exit 1 with 'At least one job did not "
-          "complete successfully' (the jobs never started, README); the next run does only those",
+          "complete successfully' (the jobs never started, docs/operations.md); the next run does only those",
           "tests/test_fault_kills.py::test_stopping_snakemake_never_redoes_finished_training"),
     Fault("rerun-after-outputs-deleted", "a finished run's outputs deleted by snakemake before a rerun",
           "restored without a training step; any change of plan, settings, code or a recorded file trains again",

@@ -33,7 +33,8 @@ def test_stopping_snakemake_never_redoes_finished_training(tmp_path):
     """SIGTERM, then kill -9, of snakemake while a fine-tuning job runs (the two runs of one config).
 
     SIGTERM (`kill PID`): snakemake starts nothing new, lets the running job finish, records it and exits 1 with
-    "At least one job did not complete successfully" (about the jobs never started; README "After a kill").
+    "At least one job did not complete successfully" (about the jobs never started; docs/operations.md, "After a
+    kill").
     kill -9: the orphaned job finishes; after --unlock, --rerun-incomplete restores its outputs from finished/.
     """
     cfg = build_inputs(tmp_path)
