@@ -45,6 +45,8 @@ rule evaluate:
     params:
         local_model=True,
         learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
+        # validation users only where the cell chooses among several rates (evaluation.validation)
+        splits=eval_targets.evaluated_splits(config, selects=len(config["training"]["learning_rates"]) > 1),
         **_EVAL_PARAMS,
         untracked=_EVAL_UNTRACKED,
     log:
@@ -74,6 +76,7 @@ rule evaluate_pretrained:
         model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
         local_model=not config["model"]["name"],
         learning_rate=None,
+        splits=eval_targets.evaluated_splits(config, selects=False),
         **_EVAL_PARAMS,
         untracked=_EVAL_UNTRACKED,
     log:

@@ -43,6 +43,7 @@ def main() -> None:
         batch_size=int(p.untracked["evaluation"]["batch_size"]),
         device=p.untracked["training"]["device"],
         local_model=p.local_model,
+        splits=p.splits,
     )
     for model, rate, result, out in zip(models, rates, results, outputs, strict=True):
         result["model"] = str(model)
