@@ -108,3 +108,6 @@ def test_one_rate_needs_no_validation_but_a_choice_does():
     assert scored["selection"].startswith("lowest validation_loss")
     with pytest.raises(DataError, match="validation_loss"):
         select({0.01: dict(test_only), 0.1: dict(test_only)})
+    # several rates: a stale test-only eval of a rate that is not the best is refused too, not silently skipped
+    with pytest.raises(DataError, match=r"\['0.1'\] has no validation_loss"):
+        select({0.01: {**test_only, "validation_loss": 2.1}, 0.1: dict(test_only)})

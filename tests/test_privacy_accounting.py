@@ -194,11 +194,12 @@ def test_logsumexp_across_rows_is_bit_for_bit_the_row_version(k):
     # the bisection of the fast MoG inverse reduces (components x points); it must give exactly the numbers
     # the row-wise version gave (and so the same PLDs, calibrations and plans)
     rng = np.random.default_rng(k)
-    z = rng.normal(scale=40.0, size=(3000, k))
+    z = rng.normal(scale=2.0, size=(3000, k))  # comparable terms: most sums depend on the order of additions
     z[rng.random(z.shape) < 0.05] = -np.inf  # components with zero probability
     z[0] = -np.inf  # a point where every component is impossible (nan either way)
     rows = A._logsumexp_rows(z)
     cols = A._logsumexp_columns(np.ascontiguousarray(z.T))
     assert np.array_equal(rows, cols, equal_nan=True)
-    assert np.array_equal(A._sum_rows_as_numpy_sums_a_row(np.ascontiguousarray(z.T[:, 1:])) if k <= 128 else
-                          z[1:].sum(axis=1), z[1:].sum(axis=1), equal_nan=True)
+    if k <= 128:
+        e = np.exp(z[1:])
+        assert np.array_equal(A._sum_rows_as_numpy_sums_a_row(np.ascontiguousarray(e.T)), e.sum(axis=1))

@@ -46,7 +46,7 @@ rule evaluate:
         local_model=True,
         learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
         # validation users only where the cell chooses among several rates (evaluation.validation)
-        splits=eval_targets.evaluated_splits(config, selects=len(config["training"]["learning_rates"]) > 1),
+        **eval_targets.split_params(config, selects=len(config["training"]["learning_rates"]) > 1),
         **_EVAL_PARAMS,
         untracked=_EVAL_UNTRACKED,
     log:
@@ -76,7 +76,7 @@ rule evaluate_pretrained:
         model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
         local_model=not config["model"]["name"],
         learning_rate=None,
-        splits=eval_targets.evaluated_splits(config, selects=False),
+        **eval_targets.split_params(config, selects=False),
         **_EVAL_PARAMS,
         untracked=_EVAL_UNTRACKED,
     log:
@@ -154,9 +154,9 @@ if eval_targets.random_stopping(config):
             untracked=untracked(config, *FINETUNE_UNTRACKED_KEYS, "evaluation.batch_size"),
         log:
             layout.LOG_RANDOM_STOPPING,
-        benchmark:
-            layout.benchmark_of(layout.LOG_RANDOM_STOPPING),
+        # no benchmark file: its wall time reveals the number of runs K, which stays secret (docs/privacy.md)
         threads: config["training"]["threads"]
+        priority: PRIORITY["finetune"]
         resources:
             mem_mb=max(config["resources"]["finetune_mem_mb"], config["evaluation"]["mem_mb"]),
             runtime=eval_targets.random_stopping_runtime(config),

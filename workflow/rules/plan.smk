@@ -39,6 +39,7 @@ rule contribution_stats_dp:
     benchmark:
         layout.benchmark_of(layout.LOG_CONTRIBUTIONS_DP),
     threads: 1
+    priority: PRIORITY["chain"]  # every plan waits for it
     resources:
         mem_mb=2000,
         runtime=30,

@@ -88,6 +88,12 @@ def choose_learning_rate(validation_losses: Mapping[float, float]) -> float:
 def select(evals: Mapping[float, dict]) -> dict:
     """The cell's metrics.json content from each learning rate's eval.json content."""
     evals = {float(lr): ev for lr, ev in evals.items()}
+    if len(evals) > 1:
+        stale = [fmt_num(lr) for lr, ev in sorted(evals.items()) if "validation_loss" not in ev]
+        if stale:
+            raise DataError(f"eval.json of learning rate(s) {stale} has no validation_loss, which choosing among "
+                            f"{len(evals)} rates needs (an evaluation from a one-rate config); rerun the evaluate rule "
+                            "(snakemake --forcerun evaluate).")
     losses = {lr: _as_float(ev.get("validation_loss")) for lr, ev in evals.items()}
     best = choose_learning_rate(losses)
     if any("validation_loss" in ev for ev in evals.values()) and not any(math.isfinite(v) for v in losses.values()):

@@ -35,6 +35,13 @@ def evaluated_splits(config: Mapping, *, selects: bool) -> list[str]:
     return ["test"]
 
 
+def split_params(config: Mapping, *, selects: bool) -> dict[str, list[str]]:
+    """The evaluate rules' `splits` param: absent where both splits are scored (as before the key existed), so
+    upgrading reruns only the evaluations whose splits change (scripts/evaluate.py reads the default)."""
+    splits = evaluated_splits(config, selects=selects)
+    return {} if splits == list(EVAL_SPLITS) else {"splits": splits}
+
+
 def run_file(dataset: str, cell: str, lr: str, name: str) -> str:
     """File `name` of the run folder (layout.RUN_DIR) of one learning rate of a cell."""
     return f"{layout.RUN_DIR.format(dataset=dataset, cell=cell, lr=lr)}/{name}"
