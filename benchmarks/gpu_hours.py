@@ -155,12 +155,17 @@ def main() -> None:
         r["hours"] += (hours + args.job_overhead_min / 60) * len(lrs)
         n_runs, n_jobs = n_runs + len(lrs), n_jobs + len(lrs) // per_job
     max_users = config["evaluation"]["max_users"] or 0
-    eval_examples = 2 * max_users * args.eval_examples_per_user  # validation + test
+    from userdp.evaluation.targets import evaluated_splits
+
+    # validation users only where a cell chooses among rates (evaluation.validation); the pretrained model: test only
+    eval_examples = len(evaluated_splits(config, selects=len(lrs) > 1)) * max_users * args.eval_examples_per_user
     eval_h = eval_examples * f_eval / achieved / 3600
     n_pre = len(config["grid"]["datasets"] or config["datasets"])
     rows[("evaluate", "forward only")] = {"jobs": n_jobs, "examples": eval_examples * n_runs, "hours": eval_h * n_runs}
-    rows[("evaluate_pretrained", "forward only")] = {"jobs": n_pre, "examples": eval_examples * n_pre,
-                                                    "hours": eval_h * n_pre}
+    pre_examples = len(evaluated_splits(config, selects=False)) * max_users * args.eval_examples_per_user
+    pre_h = pre_examples * f_eval / achieved / 3600
+    rows[("evaluate_pretrained", "forward only")] = {"jobs": n_pre, "examples": pre_examples * n_pre,
+                                                    "hours": pre_h * n_pre}
 
     print(f"config {args.config}: sequence {seq}, {args.n_params / 1e6:.1f}M parameters, "
           f"{f_train / 1e9:.0f} GFLOP per training example, {f_eval / 1e9:.0f} GFLOP per evaluated example")

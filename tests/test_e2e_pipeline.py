@@ -102,9 +102,13 @@ def test_plan_run_and_metrics(run, method, eps):
     # synthetic data: seeds derived from the config (privacy.secret_seeds null), and the ledger says so
     assert ledger["seeds_mode"] == "derived" and "anyone holding the config" in ledger["guarantee_caveat"]
     metrics = load(cell / "metrics.json")
-    for key in ["test_loss", "test_loss_user_macro", "test_perplexity", "test_accuracy", "validation_loss",
-                "learning_rate"]:
+    for key in ["test_loss", "test_loss_user_macro", "test_perplexity", "test_accuracy", "learning_rate"]:
         assert key in metrics, key
+    # one learning rate: nothing to choose, so validation users are not scored (evaluation.validation: auto)
+    from userdp.evaluation.select import ONLY_RATE
+
+    assert "validation_loss" not in metrics and metrics["selection"] == ONLY_RATE
+    assert metrics["evaluation"]["splits"] == ["test"]
     assert metrics["test_perplexity"] == pytest.approx(math.exp(metrics["test_loss"]), rel=1e-6)
 
 

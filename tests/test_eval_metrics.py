@@ -136,3 +136,28 @@ def test_evaluate_model_end_to_end(data):
     with pytest.raises(DataError, match="config.json"):
         evaluate_model(d / "missing", d / "tokens.parquet", dataset="toy", root_seed=0, max_users=2,
                        batch_size=4, device="cpu")
+
+
+def test_test_split_only_scores_the_same_users_and_no_validation(data):
+    from userdp.evaluation.metrics import evaluate_models
+
+    d, _, _ = data
+    opts = dict(dataset="toy", root_seed=0, max_users=2, batch_size=4, device="cpu")
+    both = evaluate_models([d / "model"], d / "tokens.parquet", **opts)[0]
+    test_only = evaluate_models([d / "model"], d / "tokens.parquet", splits=["test"], **opts)[0]
+    assert not any(k.startswith("validation_") for k in test_only)
+    assert {k: v for k, v in both.items() if k.startswith("test_")} == \
+        {k: v for k, v in test_only.items() if k.startswith("test_")}
+    assert test_only["evaluation"]["splits"] == ["test"] and both["evaluation"]["splits"] == ["validation", "test"]
+    for bad in ([], ["train"], ["test", "test"]):
+        with pytest.raises(ValueError, match="splits"):
+            evaluate_models([d / "model"], d / "tokens.parquet", splits=bad, **opts)
+
+
+def test_validation_is_scored_only_where_a_choice_reads_it():
+    from userdp.evaluation.targets import evaluated_splits
+
+    auto, always = {"evaluation": {"validation": "auto"}}, {"evaluation": {"validation": "always"}}
+    assert evaluated_splits(auto, selects=False) == ["test"]
+    assert evaluated_splits(auto, selects=True) == ["validation", "test"]
+    assert evaluated_splits(always, selects=False) == ["validation", "test"]

@@ -96,3 +96,18 @@ def test_a_composed_plan_refuses_a_different_number_of_runs():
     out = with_selection_epsilon(led, [led] * 3, ["a", "b", "c"])
     assert out["epsilon"] == pytest.approx(epsilon_of("uls", 1.1, 0.05, 300, 1e-5), rel=1e-9)
     assert out["selection"] == {"accounting": "composed", "candidates": 3}
+
+
+def test_one_rate_needs_no_validation_but_a_choice_does():
+    from userdp.evaluation.select import ONLY_RATE
+
+    test_only = {"test_loss": 2.0, "test_n_users": 3}
+    out = select({0.01: dict(test_only)})
+    assert out["learning_rate"] == 0.01 and out["selection"] == ONLY_RATE and "validation_loss" not in out
+    scored = select({0.01: {**test_only, "validation_loss": 2.1}})
+    assert scored["selection"].startswith("lowest validation_loss")
+    with pytest.raises(DataError, match="validation_loss"):
+        select({0.01: dict(test_only), 0.1: dict(test_only)})
+    # several rates: a stale test-only eval of a rate that is not the best is refused too, not silently skipped
+    with pytest.raises(DataError, match=r"\['0.1'\] has no validation_loss"):
+        select({0.01: {**test_only, "validation_loss": 2.1}, 0.1: dict(test_only)})

@@ -130,6 +130,8 @@ SCENARIOS = {
     "selection_per_run": changed(**{"privacy.selection.accounting": "per_run"}),
     # a study key no calibration reads (the calibration job gets it untracked): the study reruns, not its calibration
     "mean_estimation_dimension": changed(**{"mean_estimation.dimension": 4}),
+    # one learning rate: validation users are scored only when asked for
+    "validation_always": changed(**{"evaluation.validation": "always"}),
 }
 
 
@@ -151,6 +153,13 @@ def plans(tmp_path_factory):
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(lambda nc: dry_run(workdir, nc[1], nc[0]), zip(names, configs)))
     return dict(zip(names, results))
+
+
+@pytest.mark.integration
+def test_scoring_validation_users_reruns_evaluation_not_training(plans):
+    jobs, _ = plans["validation_always"]
+    assert jobs["evaluate"] == 6 and jobs["evaluate_pretrained"] == 1, jobs
+    assert not {"finetune", "finetune_group", "plan", "plan_group_sweep", "pretrain"} & set(jobs), jobs
 
 
 @pytest.mark.integration

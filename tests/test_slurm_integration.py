@@ -158,9 +158,11 @@ def _strip_timing(obj):
 
 
 def _assert_same_artifacts(local: Path, slurm: Path) -> None:
-    def compared(root: Path) -> list[Path]:  # logs (results/logs/, a finished run's attempt.log) hold timestamps
+    def compared(root: Path) -> list[Path]:  # logs (results/logs/, a finished run's attempt.log) and the jobs'
+        # benchmark files (results/benchmarks/: wall time, memory) hold timings
         return sorted(p.relative_to(root) for p in (root / "results").rglob("*")
-                      if p.is_file() and "logs" not in p.parts and p.suffix != ".log")
+                      if p.is_file() and "logs" not in p.parts and "benchmarks" not in p.parts
+                      and p.suffix != ".log")
 
     files = compared(local)
     assert set(compared(slurm)) \

@@ -27,6 +27,8 @@ rule audit_canaries:
         canaries=audit_lib.canary_params(config),
     log:
         layout.LOG_AUDIT_CANARIES,
+    benchmark:
+        layout.benchmark_of(layout.LOG_AUDIT_CANARIES),
     threads: 1
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
@@ -52,6 +54,8 @@ rule audit_plan:
         reference_epsilon=lambda wildcards: audit_lib.reference_epsilon(config, wildcards.method, wildcards.eps),
     log:
         layout.LOG_AUDIT_PLAN,
+    benchmark:
+        layout.benchmark_of(layout.LOG_AUDIT_PLAN),
     threads: 1
     resources:
         mem_mb=1000,
@@ -72,6 +76,8 @@ use rule finetune as audit_finetune with:
         budget=str(_AUDIT_BUDGET),
     log:
         layout.LOG_AUDIT_FINETUNE,
+    benchmark:
+        layout.benchmark_of(layout.LOG_AUDIT_FINETUNE),
 
 
 rule audit_score:
@@ -89,6 +95,8 @@ rule audit_score:
         untracked=untracked(config, *EVALUATE_UNTRACKED_KEYS),
     log:
         layout.LOG_AUDIT_SCORE,
+    benchmark:
+        layout.benchmark_of(layout.LOG_AUDIT_SCORE),
     threads: config["training"]["threads"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
@@ -115,6 +123,8 @@ rule audit_summary:
         ),
     log:
         layout.LOG_AUDIT_SUMMARY,
+    benchmark:
+        layout.benchmark_of(layout.LOG_AUDIT_SUMMARY),
     threads: 1
     resources:
         mem_mb=1000,

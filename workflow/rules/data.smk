@@ -41,7 +41,10 @@ rule download_data:
         dataset=DATASETS_RE,
     log:
         layout.LOG_DOWNLOAD,
+    benchmark:
+        layout.benchmark_of(layout.LOG_DOWNLOAD),
     threads: 1
+    priority: PRIORITY["chain"]
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
         runtime=DATA_RUNTIME,
@@ -69,7 +72,10 @@ rule prepare_data:
         dataset=DATASETS_RE,
     log:
         layout.LOG_PREPARE,
+    benchmark:
+        layout.benchmark_of(layout.LOG_PREPARE),
     threads: 1
+    priority: PRIORITY["chain"]
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
         runtime=DATA_RUNTIME,
@@ -92,7 +98,10 @@ rule prepare_public:
         dataset=PUBLIC_DATASETS_RE,
     log:
         layout.LOG_PREPARE_PUBLIC,
+    benchmark:
+        layout.benchmark_of(layout.LOG_PREPARE_PUBLIC),
     threads: 1
+    priority: PRIORITY["chain"]
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
         runtime=60,
@@ -114,7 +123,10 @@ rule train_tokenizer:
         untracked=_BATCH_ROWS,
     log:
         layout.LOG_TOKENIZER,
+    benchmark:
+        layout.benchmark_of(layout.LOG_TOKENIZER),
     threads: 2
+    priority: PRIORITY["chain"]
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
         runtime=60,
@@ -139,7 +151,10 @@ rule tokenize:
         dataset=DATASETS_RE,
     log:
         layout.LOG_TOKENIZE,
+    benchmark:
+        layout.benchmark_of(layout.LOG_TOKENIZE),
     threads: config["tokenizer"]["threads"]
+    priority: PRIORITY["chain"]
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
         runtime=DATA_RUNTIME,
@@ -159,6 +174,8 @@ use rule tokenize as tokenize_public with:
         dataset=PUBLIC_DATASETS_RE,
     log:
         layout.LOG_TOKENIZE_PUBLIC,
+    benchmark:
+        layout.benchmark_of(layout.LOG_TOKENIZE_PUBLIC),
 
 
 # A target under results/data/ that names a dataset the config does not
@@ -172,6 +189,8 @@ rule unknown_dataset:
         dataset=UNKNOWN_DATASETS_RE,
     log:
         layout.LOG_UNKNOWN_DATASET,
+    benchmark:
+        layout.benchmark_of(layout.LOG_UNKNOWN_DATASET),
     threads: 1
     resources:
         mem_mb=100,

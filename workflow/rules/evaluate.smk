@@ -45,11 +45,16 @@ rule evaluate:
     params:
         local_model=True,
         learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
+        # validation users only where the cell chooses among several rates (evaluation.validation)
+        **eval_targets.split_params(config, selects=len(config["training"]["learning_rates"]) > 1),
         **_EVAL_PARAMS,
         untracked=_EVAL_UNTRACKED,
     log:
         layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN,
+    benchmark:
+        layout.benchmark_of(layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN),
     threads: config["training"]["threads"]
+    priority: PRIORITY["evaluate"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
         runtime=config["evaluation"]["runtime"] * rates_per_job(config),
@@ -71,11 +76,15 @@ rule evaluate_pretrained:
         model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
         local_model=not config["model"]["name"],
         learning_rate=None,
+        **eval_targets.split_params(config, selects=False),
         **_EVAL_PARAMS,
         untracked=_EVAL_UNTRACKED,
     log:
         layout.LOG_EVALUATE_PRETRAINED,
+    benchmark:
+        layout.benchmark_of(layout.LOG_EVALUATE_PRETRAINED),
     threads: config["training"]["threads"]
+    priority: PRIORITY["evaluate"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
         runtime=config["evaluation"]["runtime"],
@@ -104,6 +113,8 @@ rule select_lr:
         debug_step_log=bool(config["training"]["debug_step_log"]),
     log:
         layout.LOG_SELECT_LR,
+    benchmark:
+        layout.benchmark_of(layout.LOG_SELECT_LR),
     threads: 1
     resources:
         mem_mb=1000,
@@ -143,7 +154,9 @@ if eval_targets.random_stopping(config):
             untracked=untracked(config, *FINETUNE_UNTRACKED_KEYS, "evaluation.batch_size"),
         log:
             layout.LOG_RANDOM_STOPPING,
+        # no benchmark file: its wall time reveals the number of runs K, which stays secret (docs/privacy.md)
         threads: config["training"]["threads"]
+        priority: PRIORITY["finetune"]
         resources:
             mem_mb=max(config["resources"]["finetune_mem_mb"], config["evaluation"]["mem_mb"]),
             runtime=eval_targets.random_stopping_runtime(config),
@@ -175,6 +188,8 @@ rule aggregate:
         budgets=sorted(config["grid"]["budgets"], key=lambda b: int(b["compute"])),
     log:
         layout.LOG_AGGREGATE,
+    benchmark:
+        layout.benchmark_of(layout.LOG_AGGREGATE),
     threads: 1
     resources:
         mem_mb=2000,

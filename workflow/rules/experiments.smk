@@ -34,7 +34,11 @@ rule mean_estimation_calibration:
                                              if k not in _ME_CALIBRATION_KEYS}),
     log:
         layout.LOG_MEAN_ESTIMATION_CALIBRATION,
-    threads: 2
+    benchmark:
+        layout.benchmark_of(layout.LOG_MEAN_ESTIMATION_CALIBRATION),
+    # one worker: on 2 cores a 2-thread job waits for both to be free, then blocks the fine-tuning jobs
+    threads: 1
+    priority: PRIORITY["side"]
     resources:
         mem_mb=2000,
         runtime=30,
@@ -57,7 +61,10 @@ rule mean_estimation:
         delta_exponent=config["privacy"]["delta_exponent"],
     log:
         layout.LOG_MEAN_ESTIMATION,
+    benchmark:
+        layout.benchmark_of(layout.LOG_MEAN_ESTIMATION),
     threads: 1
+    priority: PRIORITY["side"]
     resources:
         mem_mb=2000,
         runtime=30,

@@ -12,6 +12,8 @@
 # wildcard.
 import os
 
+from userdp import layout
+
 from userdp.plotting.registry import FIGURES, FORMATS
 
 
@@ -43,6 +45,8 @@ for _fig in FIGURES.values():
             **({"dataset": _fig.family.dataset_regex(config)} if _fig.family.dataset_regex else {}),
         log:
             _fig.log,
+        benchmark:
+            layout.benchmark_of(_fig.log),
         threads: 1
         resources:
             mem_mb=1000,

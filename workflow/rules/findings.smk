@@ -23,6 +23,8 @@ rule findings:
         **findings_job.params(config),
     log:
         layout.LOG_FINDINGS,
+    benchmark:
+        layout.benchmark_of(layout.LOG_FINDINGS),
     threads: 1
     resources:
         mem_mb=2000,

@@ -36,7 +36,10 @@ rule contribution_stats_dp:
         secret=lambda wildcards: plan_inputs_lib.secret_seeds(config, wildcards.dataset),
     log:
         layout.LOG_CONTRIBUTIONS_DP,
+    benchmark:
+        layout.benchmark_of(layout.LOG_CONTRIBUTIONS_DP),
     threads: 1
+    priority: PRIORITY["chain"]  # every plan waits for it
     resources:
         mem_mb=2000,
         runtime=30,
@@ -59,7 +62,10 @@ rule plan:
         group_size=None,
     log:
         layout.LOG_PLAN,
+    benchmark:
+        layout.benchmark_of(layout.LOG_PLAN),
     threads: 1
+    priority: PRIORITY["plan"]
     resources:
         mem_mb=1000,
         runtime=10,
@@ -80,6 +86,8 @@ use rule plan as plan_group_sweep with:
         group_size=lambda wildcards: int(wildcards.group),
     log:
         layout.LOG_GROUP_PLAN,
+    benchmark:
+        layout.benchmark_of(layout.LOG_GROUP_PLAN),
 
 
 rule accounting_comparison:
@@ -91,7 +99,10 @@ rule accounting_comparison:
         max_noise_multiplier=config["privacy"]["max_noise_multiplier"],
     log:
         layout.LOG_ACCOUNTING_COMPARISON,
+    benchmark:
+        layout.benchmark_of(layout.LOG_ACCOUNTING_COMPARISON),
     threads: 1
+    priority: PRIORITY["side"]
     resources:
         mem_mb=2000,
         runtime=30,

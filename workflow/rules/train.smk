@@ -44,7 +44,10 @@ rule pretrain:
         settings=pretrain_params(config),
     log:
         layout.LOG_PRETRAIN,
+    benchmark:
+        layout.benchmark_of(layout.LOG_PRETRAIN),
     threads: config["training"]["threads"]
+    priority: PRIORITY["chain"]
     resources:
         mem_mb=config["resources"]["pretrain_mem_mb"],
         runtime=config["resources"]["pretrain_runtime"],
@@ -70,7 +73,10 @@ rule finetune:
         untracked=finetune_untracked(config),
     log:
         layout.LOG_FINETUNE if per_cell_jobs(config) else layout.LOG_FINETUNE_RUN,
+    benchmark:
+        layout.benchmark_of(layout.LOG_FINETUNE if per_cell_jobs(config) else layout.LOG_FINETUNE_RUN),
     threads: config["training"]["threads"]
+    priority: PRIORITY["finetune"]
     # gpu > 1 (training.gpus, or set-resources finetune: gpu: N in a profile):
     # the script runs the job as that many data-parallel processes (torchrun,
     # one GPU each; userdp.training.distributed), sharing `threads`.
@@ -90,3 +96,5 @@ use rule finetune as finetune_group with:
         sweep_outputs(layout.FINETUNE_GROUP_RUN_DIR, config),
     log:
         layout.LOG_FINETUNE_GROUP if per_cell_jobs(config) else layout.LOG_FINETUNE_GROUP_RUN,
+    benchmark:
+        layout.benchmark_of(layout.LOG_FINETUNE_GROUP if per_cell_jobs(config) else layout.LOG_FINETUNE_GROUP_RUN),

@@ -13,6 +13,7 @@ import torch
 from userdp.errors import run_main
 from userdp.evaluation.metrics import evaluate_models
 from userdp.evaluation.select import pretrained_metrics
+from userdp.evaluation.targets import EVAL_SPLITS
 from userdp.io import write_json
 from userdp.layout import EVAL, RUN_MODEL
 from userdp.logutil import setup_logging
@@ -43,6 +44,7 @@ def main() -> None:
         batch_size=int(p.untracked["evaluation"]["batch_size"]),
         device=p.untracked["training"]["device"],
         local_model=p.local_model,
+        splits=getattr(p, "splits", EVAL_SPLITS),  # absent: both (userdp.evaluation.targets.split_params)
     )
     for model, rate, result, out in zip(models, rates, results, outputs, strict=True):
         result["model"] = str(model)

@@ -204,6 +204,17 @@ LOG_AUDIT_FINETUNE = LOGS + "/audit/{dataset}/finetune/" + CELL + "/" + _LR + ".
 LOG_AUDIT_SCORE = LOGS + "/audit/{dataset}/score/" + CELL + ".log"
 LOG_AUDIT_SUMMARY = LOGS + "/audit/{dataset}/summary.log"
 
+# Per-job resource use (snakemake's `benchmark:` files: wall s, cpu_time, max_rss, ...), one per log: the
+# log's path under results/benchmarks with .tsv for .log (benchmarks/profile_pipeline.py sums them per rule).
+BENCHMARKS = "results/benchmarks"
+
+
+def benchmark_of(log_template: str) -> str:
+    """The benchmark file template of the job whose log template is `log_template` (same wildcards)."""
+    if not (log_template.startswith(LOGS + "/") and log_template.endswith(".log")):
+        raise ValueError(f"{log_template!r} is not a log template under {LOGS}/")
+    return BENCHMARKS + log_template[len(LOGS):-len(".log")] + ".tsv"
+
 
 def model_files(folder: str, adapter: bool = False) -> list[str]:
     """The files of a saved model folder (MODEL_FILES), or of a saved LoRA adapter (ADAPTER_FILES), in that order."""

@@ -35,10 +35,10 @@ from ..errors import DataError
 from ..io import read_schema
 from ..seeding import derive_seed_crc32
 from ..training.models import load_model, resolve_device
+from .targets import EVAL_SPLITS
 
 log = logging.getLogger(__name__)
 
-EVAL_SPLITS = ("validation", "test")
 TOKENS_COLUMNS = ("user_id", "split", "input_ids")
 METRIC_NAMES = ("loss", "loss_user_macro", "perplexity", "accuracy", "n_tokens", "n_examples", "n_users")
 
@@ -198,7 +198,7 @@ def evaluate_set(model: torch.nn.Module, eval_set: EvalSet, batch_size: int, dev
 def evaluate_model(model_path: str | os.PathLike, tokens_path: str | os.PathLike, **options) -> dict:
     """Validation and test metrics of the model at `model_path`, as flat `{split}_{metric}` fields.
 
-    `options` are `evaluate_models`'s (dataset, root_seed, max_users, batch_size, device, local_model). The
+    `options` are `evaluate_models`'s (dataset, root_seed, max_users, batch_size, device, local_model, splits). The
     users are a seeded choice that depends on the config seed, the dataset and the split only, so every run
     and the pretrained model are evaluated on the same users (paired comparisons).
     """
@@ -215,15 +215,20 @@ def evaluate_models(
     batch_size: int,
     device: str = "auto",
     local_model: bool = True,
+    splits: Sequence[str] = EVAL_SPLITS,
 ) -> list[dict]:
     """`evaluate_model` of each model in turn (one job of rule evaluate: a cell's learning rates).
 
     The evaluation users and their rows are read once and shared: every model
-    sees exactly the sets `evaluate_model` would give it alone.
+    sees exactly the sets `evaluate_model` would give it alone. `splits` are the held-out splits scored
+    (userdp.evaluation.targets.evaluated_splits), each on the same users whichever others are scored.
     """
+    splits = list(splits)
+    if not splits or any(s not in EVAL_SPLITS for s in splits) or len(set(splits)) < len(splits):
+        raise ValueError(f"splits must be distinct names out of {EVAL_SPLITS}, not {splits}")
     dev = resolve_device(device)
     eval_sets: dict[str, EvalSet] = {}
-    for split in EVAL_SPLITS:
+    for split in splits:
         seed = derive_seed_crc32(root_seed, "evaluation", dataset, split)
         eval_sets[split] = load_eval_set(tokens_path, split, max_users, seed)
     results = []
@@ -238,7 +243,8 @@ def evaluate_models(
             log.info("%s: loss %.4f, user-macro loss %.4f, accuracy %.4f", split, metrics["loss"],
                      metrics["loss_user_macro"], metrics["accuracy"])
             out.update({f"{split}_{k}": v for k, v in metrics.items()})
-        out["evaluation"] = {"max_users": max_users, "batch_size": batch_size, "seed": root_seed, "device": str(dev)}
+        out["evaluation"] = {"max_users": max_users, "batch_size": batch_size, "seed": root_seed, "device": str(dev),
+                             "splits": splits}
         results.append(out)
         del model
     return results

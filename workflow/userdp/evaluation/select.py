@@ -64,6 +64,10 @@ def _as_float(x: object) -> float:
     return v
 
 
+#: metrics.json's `selection` of a cell with one learning rate whose validation users were not scored.
+ONLY_RATE = "the only learning rate (nothing to choose; validation users not scored: evaluation.validation)"
+
+
 def choose_learning_rate(validation_losses: Mapping[float, float]) -> float:
     """The rate with the lowest validation loss; ties go to the smaller rate.
 
@@ -84,17 +88,26 @@ def choose_learning_rate(validation_losses: Mapping[float, float]) -> float:
 def select(evals: Mapping[float, dict]) -> dict:
     """The cell's metrics.json content from each learning rate's eval.json content."""
     evals = {float(lr): ev for lr, ev in evals.items()}
+    if len(evals) > 1:
+        stale = [fmt_num(lr) for lr, ev in sorted(evals.items()) if "validation_loss" not in ev]
+        if stale:
+            raise DataError(f"eval.json of learning rate(s) {stale} has no validation_loss, which choosing among "
+                            f"{len(evals)} rates needs (an evaluation from a one-rate config); rerun the evaluate rule "
+                            "(snakemake --forcerun evaluate).")
     losses = {lr: _as_float(ev.get("validation_loss")) for lr, ev in evals.items()}
     best = choose_learning_rate(losses)
-    if not any(math.isfinite(v) for v in losses.values()):
+    if any("validation_loss" in ev for ev in evals.values()) and not any(math.isfinite(v) for v in losses.values()):
         log.warning("every learning rate diverged (validation losses %s); reporting the smallest rate", losses)
     chosen = evals[best]
-    missing = [k for k in ("validation_loss", "test_loss") if k not in chosen]
+    # one rate: nothing to choose, and its evaluation may have skipped validation users (evaluation.validation)
+    needed = ("validation_loss", "test_loss") if len(evals) > 1 else ("test_loss",)
+    missing = [k for k in needed if k not in chosen]
     if missing:
         raise DataError(f"eval.json of learning rate {fmt_num(best)} lacks {missing}; rerun the evaluate rule.")
     out = {k: chosen[k] for k in REPORTED if k in chosen}
     out["learning_rate"] = best
-    out["selection"] = "lowest validation_loss (token micro-average) on validation users"
+    out["selection"] = ("lowest validation_loss (token micro-average) on validation users" if len(evals) > 1
+                        or "validation_loss" in chosen else ONLY_RATE)
     out["learning_rate_sweep"] = [
         {
             "learning_rate": lr,

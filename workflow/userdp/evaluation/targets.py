@@ -19,6 +19,28 @@ from ..training.targets import learning_rate_texts
 #: them reruns nothing (tests/test_rerun_triggers.py, tests/test_eval_metrics.py).
 EVALUATE_UNTRACKED_KEYS = ("evaluation.batch_size", "training.device")
 
+#: The held-out splits an evaluation can score (training users are never evaluated).
+EVAL_SPLITS = ("validation", "test")
+
+
+def evaluated_splits(config: Mapping, *, selects: bool) -> list[str]:
+    """The splits an evaluate job scores (its `splits` param, so changing the choice reruns it).
+
+    Test users always (every figure and finding reads test metrics); validation users only where a choice
+    reads them, a cell choosing among several learning rates (`selects`), unless evaluation.validation is
+    `always`. Random stopping scores its runs on both itself (userdp.evaluation.random_stopping).
+    """
+    if selects or config["evaluation"]["validation"] == "always":
+        return list(EVAL_SPLITS)
+    return ["test"]
+
+
+def split_params(config: Mapping, *, selects: bool) -> dict[str, list[str]]:
+    """The evaluate rules' `splits` param: absent where both splits are scored (as before the key existed), so
+    upgrading reruns only the evaluations whose splits change (scripts/evaluate.py reads the default)."""
+    splits = evaluated_splits(config, selects=selects)
+    return {} if splits == list(EVAL_SPLITS) else {"splits": splits}
+
 
 def run_file(dataset: str, cell: str, lr: str, name: str) -> str:
     """File `name` of the run folder (layout.RUN_DIR) of one learning rate of a cell."""

@@ -168,8 +168,16 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
         ax.set_ylabel(LOSS_LABEL)
     _legend_below(fig, axes.flat[0])
     fig.suptitle(f"{dataset}: test loss vs privacy budget ε ({_seed_note(main)}; "
-                 "learning rate chosen on validation users)", fontsize=11)
+                 f"{_rate_note(summary)})", fontsize=11)
     return seeds_footnote(epsilon_footnote(fig, summary), summary)
+
+
+def _rate_note(summary: pd.DataFrame) -> str:
+    """How the plotted runs' learning rate was set: chosen on validation users, or the config's only rate."""
+    from ..evaluation.select import ONLY_RATE
+
+    only = "selection" in summary and summary["selection"].eq(ONLY_RATE).all()
+    return "one learning rate, nothing chosen" if only else "learning rate chosen on validation users"
 
 
 def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: str) -> Figure:
