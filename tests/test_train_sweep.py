@@ -53,6 +53,7 @@ def _ledger(run_dir):
     return read_json(run_dir / "ledger.json")
 
 
+@pytest.mark.integration
 def test_a_run_trained_after_another_rate_in_one_job_equals_the_run_alone(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)  # the plans' and finished records' relative paths
     cfg = _inputs(tmp_path)
