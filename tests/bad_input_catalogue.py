@@ -278,6 +278,7 @@ def snakemake(*args: str) -> Callable[[Path], Outcome]:
         proc = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=300, env=env)
         return Outcome(proc.returncode, proc.stderr + proc.stdout)
 
+    run.starts_snakemake = True  # tests/test_catalogue.py puts these cases in the integration lane
     return run
 
 

@@ -71,6 +71,7 @@ def test_the_snippet_is_the_one_in_docs():
         assert line.strip() in text, f"docs/api.md lacks the snippet line {line!r}"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method,lora", [("uls", '{"r": 8}'), ("els", "None"), ("els", '{"r": 8}'),
                                          ("uls", "None")])
 def test_the_snippet_runs_and_its_epsilon_is_the_released_guarantee(workdir, monkeypatch, capsys, method, lora):
@@ -111,6 +112,7 @@ def test_the_snippet_runs_and_its_epsilon_is_the_released_guarantee(workdir, mon
     assert logits.shape[:2] == (1, 3) and torch.isfinite(logits).all()
 
 
+@pytest.mark.integration
 def test_a_finished_run_is_restored_not_retrained(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     rows = pd.read_parquet("my_users.parquet")
@@ -124,6 +126,7 @@ def test_a_finished_run_is_restored_not_retrained(workdir, monkeypatch):
     assert first.ledger["seeds_mode"] == "derived" and first.ledger["guarantee_caveat"]
 
 
+@pytest.mark.integration
 def test_the_planner_is_the_pipelines(workdir):
     """userdp.plan = the pipeline's plan_cell on the same counts and defaults (the plan rule's script calls it)."""
     from userdp.config import run_config
@@ -151,9 +154,9 @@ def test_the_planner_is_the_pipelines(workdir):
     ({"data": "rows.parquet"}, DataError, "DataFrame"),
     ({"group_size": 0}, ConfigError, "group_size is 0"),
     ({"group_size": 2.5}, ConfigError, "group_size is 2.5"),
-    ({"group_size": 1000}, ConfigError, "physical_batch_size"),
-    ({"lora": {"target_modules": ["q_proj"]}}, ConfigError, "c_attn"),
-    ({"sequence_length": 512}, ConfigError, "at most 64"),
+    pytest.param({"group_size": 1000}, ConfigError, "physical_batch_size", marks=pytest.mark.integration),  # ~2.5 s
+    pytest.param({"lora": {"target_modules": ["q_proj"]}}, ConfigError, "c_attn", marks=pytest.mark.integration),
+    pytest.param({"sequence_length": 512}, ConfigError, "at most 64", marks=pytest.mark.integration),
     ({"training": {"learning_rates": [0.1, 0.01]}}, ConfigError, "trains one run"),
     ({"secret_seeds": True, "privacy": {"secret_seeds": False}}, ConfigError, "give one of them"),
     ({"data": "MIXED_IDS"}, DataError, "mixes integer and string"),
@@ -205,6 +208,7 @@ def test_all_matches_the_names_docs_api_lists():
         userdp.no_such_name  # noqa: B018
 
 
+@pytest.mark.integration
 def test_plan_refuses_bad_counts_and_epsilon_of_a_spec_is_the_released_guarantee():
     for bad in ([3, 0, 2], [[1, 2], [3, 4]], [2.7, 3.0], []):
         with pytest.raises(DataError, match="counts must be"):
@@ -217,6 +221,7 @@ def test_plan_refuses_bad_counts_and_epsilon_of_a_spec_is_the_released_guarantee
     assert userdp.epsilon(three, per_run=True) < 0.8 * userdp.epsilon(three)
 
 
+@pytest.mark.integration
 def test_a_lora_run_loads_from_another_folder(workdir, tmp_path, monkeypatch):
     """A relative model path is recorded absolute (the adapter names its base), so the released model loads
     from anywhere."""
@@ -229,6 +234,7 @@ def test_a_lora_run_loads_from_another_folder(workdir, tmp_path, monkeypatch):
     assert ledger["adapter"]["base_model"] == str(workdir / "ckpt") and not hasattr(model, "peft_config")
 
 
+@pytest.mark.integration
 def test_a_damaged_plan_is_a_clear_error(tmp_path):
     from userdp.io import write_json
 
@@ -259,6 +265,7 @@ def test_a_damaged_plan_is_a_clear_error(tmp_path):
     assert math.isfinite(spec.noise_multiplier)
 
 
+@pytest.mark.integration  # a fresh interpreter: ~1.5 s
 def test_import_userdp_stays_light():
     """The public names load on first use: `import userdp` (the Snakefile's) and the RunSpec pull in no torch."""
     import subprocess

@@ -19,6 +19,8 @@ DOC = REPO / "docs" / "catalogue.md"
 
 def _param(case):
     marks = [pytest.mark.xfail(strict=True, reason=case.reason)] if case.xfail else []
+    if getattr(case.run, "starts_snakemake", False):
+        marks.append(pytest.mark.integration)
     return pytest.param(case, id=case.id, marks=marks)
 
 

@@ -10,19 +10,35 @@ from userdp.cli import main
 from privacy_helpers import epsilon_of
 
 
+EPSILON_ARGS = ["epsilon", "--method", "els", "--noise-multiplier", "2", "--sampling-rate", "0.01", "--steps", "100",
+                "--group-size", "4", "--delta", "1e-6", "--json"]
+INFEASIBLE_ARGS = ["calibrate", "--method", "els", "--epsilon", "0.01", "--delta", "1e-6", "--sampling-rate", "1",
+                   "--steps", "10", "--group-size", "4", "--max-noise-multiplier", "5"]
+
+
 def run(*args):
     return subprocess.run([sys.executable, "-m", "userdp", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_epsilon_json_matches_library():
-    p = run("epsilon", "--method", "els", "--noise-multiplier", "2", "--sampling-rate", "0.01", "--steps", "100",
-            "--group-size", "4", "--delta", "1e-6", "--json")
-    assert p.returncode == 0, p.stderr
-    rec = json.loads(p.stdout)
+def test_epsilon_json_matches_library(capsys):
+    assert main(list(EPSILON_ARGS)) == 0
+    rec = json.loads(capsys.readouterr().out)
     assert rec["method"] == "els" and rec["group_size"] == 4 and rec["steps"] == 100
     assert rec["epsilon"] == pytest.approx(epsilon_of("els", 2.0, 0.01, 100, 1e-6, 4), rel=1e-12)
 
 
+@pytest.mark.integration
+def test_python_m_userdp_prints_the_json_and_exits_2_on_an_infeasible_target():
+    """The same two commands through `python -m userdp` (the installed entry): stdout, exit statuses."""
+    p = run(*EPSILON_ARGS)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["epsilon"] == pytest.approx(epsilon_of("els", 2.0, 0.01, 100, 1e-6, 4), rel=1e-12)
+    p = run(*INFEASIBLE_ARGS)
+    assert p.returncode == 2
+    assert "no noise multiplier up to" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.integration
 def test_calibrate_json_has_plan_fields(capsys):
     assert main(["calibrate", "--method", "uls", "--epsilon", "2", "--delta", "1e-6", "--sampling-rate", "0.02",
                  "--steps", "50", "--json"]) == 0
@@ -65,13 +81,13 @@ def test_invalid_arguments_exit_2_with_message(args, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-def test_infeasible_target_exits_2_with_reason():
-    p = run("calibrate", "--method", "els", "--epsilon", "0.01", "--delta", "1e-6", "--sampling-rate", "1",
-            "--steps", "10", "--group-size", "4", "--max-noise-multiplier", "5")
-    assert p.returncode == 2
-    assert "no noise multiplier up to" in p.stderr and "Traceback" not in p.stderr
+def test_infeasible_target_exits_2_with_reason(capsys):
+    assert main(list(INFEASIBLE_ARGS)) == 2
+    err = capsys.readouterr().err
+    assert "no noise multiplier up to" in err and "Traceback" not in err
 
 
+@pytest.mark.integration
 def test_stats_epsilon_composes_the_contribution_statistics_release(capsys):
     """--stats-epsilon adds the Laplace histogram release, as plans with DP statistics do."""
     import dp_accounting
@@ -96,6 +112,7 @@ def test_stats_epsilon_composes_the_contribution_statistics_release(capsys):
     assert "no noise level leaves room for training" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_q_one_with_large_group_is_a_clear_result_not_a_crash(capsys):
     """ELS at q = 1 (every example every step) is a Gaussian of sensitivity G; extreme probes must not crash."""
     args = ["calibrate", "--method", "els", "--delta", "1e-6", "--sampling-rate", "1", "--group-size", "64"]
@@ -133,6 +150,7 @@ def test_selection_options_give_the_released_models_epsilon(capsys):
     assert "--selection composed" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_every_accountant_is_a_method_choice_and_group_rdp_calibrates(capsys):
     from userdp.cli import build_parser
     from userdp.privacy import mechanism

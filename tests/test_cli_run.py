@@ -144,6 +144,7 @@ def test_dry_run_succeeds_where_the_plain_order_fails(tmp_path):
     assert not (tmp_path / "results").exists()  # a dry run, in the working directory it was started in
 
 
+@pytest.mark.integration
 def test_snakemake_is_started_with_this_python_and_its_status_returned(capfd):
     import snakemake
 

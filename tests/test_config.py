@@ -164,6 +164,7 @@ def test_iter_cells_covers_grid_and_references():
     assert Cell("d", "uls", 1.0, 10, 5, 0, 4).run_dir == "results/runs/d/method~uls/eps~1/budget~10/group~4/seed~0"
 
 
+@pytest.mark.integration
 def test_snakemake_reports_bad_config_key(tmp_path):
     """The workflow stops at start-up with a message naming the wrong key."""
     bad = tmp_path / "bad.yaml"
@@ -176,6 +177,7 @@ def test_snakemake_reports_bad_config_key(tmp_path):
     assert "optimiser" in proc.stdout + proc.stderr
 
 
+@pytest.mark.integration
 def test_target_of_an_unknown_dataset_is_a_clear_error(tmp_path):
     """Asking for results/data/<name>/... of a dataset the config lacks names it and the fix."""
     proc = subprocess.run(
@@ -498,6 +500,7 @@ def test_check_config_names_file_and_line_of_a_yaml_syntax_error(tmp_path, capsy
     assert "datasets" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_snakemake_names_file_and_line_of_a_broken_default_config(tmp_path):
     import subprocess
     import sys

@@ -315,6 +315,7 @@ include: "workflow/rules/data.smk"
 """
 
 
+@pytest.mark.integration
 def test_snakemake_builds_public_parquet_of_a_local_dataset_and_trains_the_tokenizer_on_it(tmp_path):
     wd = tmp_path / "wf"
     (wd / "config").mkdir(parents=True)

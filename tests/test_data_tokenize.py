@@ -314,6 +314,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.integration
 def test_kill_9_of_tokenize_ends_its_workers_and_the_rerun_removes_its_temp_file(tmp_path, tok_dir):
     """Workers die with their parent (userdp.workers); the killed job's .tokens.parquet.*.tmp goes at the rerun."""
     import signal

@@ -1,16 +1,12 @@
 """Summary table: one row per cell, plan/ledger/metrics flattened, CSV and Parquet agree."""
 
 import math
+import re
 
 import pandas as pd
 import pytest
 
-from eval_builders import plan_record
-from userdp.config import validate_config
-from userdp.layout import fmt_num, iter_cells
 from userdp.evaluation.aggregate import build_summary, flatten, summary_frame, write_summary
-from userdp.evaluation.targets import summary_inputs
-from userdp.io import write_json
 
 
 def test_flatten_nests_with_dots_and_restores_infinities():
@@ -19,39 +15,9 @@ def test_flatten_nests_with_dots_and_restores_infinities():
                    "plan_empty": "{}"}
 
 
-def small_config():
-    cfg = {
-        "datasets": {"toy": {"source": "synthetic"}},
-        "grid": {"epsilons": [1, 4], "budgets": [{"compute": 100, "steps": 5}], "seeds": [0],
-                 "group_size_sweep": [2]},
-        "training": {"learning_rates": [0.001, 0.01]},
-    }
-    return validate_config(cfg)
-
-
-def build_cells(root, cfg):
-    for i, cell in enumerate(iter_cells(cfg)):
-        g = cell.group_size or (4 if cell.method == "els" else 8)
-        write_json(root / cell.plan_path, plan_record(cell.method, cell.epsilon, group_size=g,
-                                                      group_size_rule="sweep" if cell.group_size else "median"))
-        run = root / cell.run_dir
-        write_json(run / "ledger.json", {"method": cell.method, "steps_completed": 5,
-                                         "versions": {"torch": "2.13.0"}, "epsilon": cell.epsilon})
-        write_json(run / "metrics.json", {"test_loss": 3.0 + i, "validation_loss": 3.1 + i, "learning_rate": 0.01,
-                                          "learning_rate_sweep": [{"learning_rate": 0.01, "validation_loss": 3.1}]})
-        pd.DataFrame({"step": range(1, 6), "loss": [5, 4, 3, 2, 1.0]}).to_parquet(run / "train_log.parquet")
-
-
-def _inputs(root, cfg):
-    """Rule aggregate's inputs for dataset toy, below `root`."""
-    return {k: [str(root / p) for p in paths] for k, paths in summary_inputs(cfg, "toy").items()}
-
-
-def test_build_summary_one_row_per_cell(tmp_path):
-    cfg = small_config()
-    build_cells(tmp_path, cfg)
-    summary, curves = build_summary(cfg, _inputs(tmp_path, cfg))
-    cells = list(iter_cells(cfg))
+def test_build_summary_one_row_per_cell(aggregate_cells, tmp_path):
+    cfg, cells = aggregate_cells.config, aggregate_cells.cells
+    summary, curves = build_summary(cfg, aggregate_cells.inputs)
     assert len(summary) == len(cells) == 2 * 3 + 2  # (els, uls) x (1, 4, inf) + 2 sweep cells
     assert summary["is_group_sweep"].sum() == 2
     assert set(summary["epsilon"]) == {1.0, 4.0, math.inf}
@@ -89,9 +55,10 @@ def test_mixed_type_columns_become_text():
     assert df["plan_rule"].tolist() == ["median", "8"]
 
 
-def test_missing_cell_file_names_it(tmp_path):
-    cfg = small_config()
+def test_missing_cell_file_names_it(aggregate_cells):
     from userdp.errors import DataError
 
-    with pytest.raises(DataError, match="plan"):
-        build_summary(cfg, _inputs(tmp_path, cfg))
+    missing = aggregate_cells.cells[0].plan_path
+    (aggregate_cells.root / missing).unlink()
+    with pytest.raises(DataError, match=re.escape(missing)):
+        build_summary(aggregate_cells.config, aggregate_cells.inputs)

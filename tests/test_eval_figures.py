@@ -45,6 +45,7 @@ def test_loss_vs_epsilon_has_a_panel_per_budget_and_reference_lines(tmp_path):
     saved(fig, tmp_path, "eps")
 
 
+@pytest.mark.integration
 def test_loss_vs_budget_a_panel_per_epsilon_with_intervals(tmp_path):
     s = fake_summary(seeds=(0, 1, 2))
     fig = lm.loss_vs_budget(s, PRE, "synth")

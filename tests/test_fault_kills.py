@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from proc_helpers import group_alive, wait_for
-from test_train_integration import build_inputs, snakemake
 from userdp.layout import fmt_num, iter_cells
 
 pytestmark = pytest.mark.integration
@@ -29,7 +28,7 @@ def _start(root: Path, *targets: str) -> subprocess.Popen:
                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def test_stopping_snakemake_never_redoes_finished_training(tmp_path):
+def test_stopping_snakemake_never_redoes_finished_training(train_stage, tmp_path):
     """SIGTERM, then kill -9, of snakemake while a fine-tuning job runs (the two runs of one config).
 
     SIGTERM (`kill PID`): snakemake starts nothing new, lets the running job finish, records it and exits 1 with
@@ -37,7 +36,7 @@ def test_stopping_snakemake_never_redoes_finished_training(tmp_path):
     kill").
     kill -9: the orphaned job finishes; after --unlock, --rerun-incomplete restores its outputs from finished/.
     """
-    cfg = build_inputs(tmp_path)
+    cfg, snakemake = train_stage.config, train_stage.snakemake
     runs, logs = {}, {}
     for cell in iter_cells(cfg):
         runs[cell.method] = tmp_path / cell.run_dir / f"lr~{fmt_num(0.001)}"
@@ -60,7 +59,7 @@ def test_stopping_snakemake_never_redoes_finished_training(tmp_path):
     assert proc.returncode == 1 and "At least one job did not complete successfully" in out, out[-3000:]
     assert "run complete: 3 steps" in logs[first].read_text() and (runs[first] / "ledger.json").exists()
     assert not logs[second].exists(), "snakemake started a job after SIGTERM"
-    plan = snakemake(tmp_path, *targets.values(), "--dry-run")
+    plan = snakemake(*targets.values(), "--dry-run")
     outputs = [line for line in plan.stdout.splitlines() if line.strip().startswith("output:")]
     assert plan.returncode == 0 and len(outputs) == 1, plan.stdout[-3000:]  # only the job never started
     assert targets[second] in outputs[0] and targets[first] not in outputs[0]
@@ -80,11 +79,11 @@ def test_stopping_snakemake_never_redoes_finished_training(tmp_path):
     assert "run complete: 3 steps" in job_log.read_text(), "the job did not finish on its own"
     before = (run / "ledger.json").read_bytes(), (run / "model/model.safetensors").read_bytes()
 
-    assert snakemake(tmp_path, "--unlock").returncode == 0
-    res = snakemake(tmp_path, targets[second], "--rerun-incomplete")
+    assert snakemake("--unlock").returncode == 0
+    res = snakemake(targets[second], "--rerun-incomplete")
     assert res.returncode == 0, res.stderr[-4000:]
     text = job_log.read_text()
     assert "restored the finished outputs" in text and text.count("run complete: 3 steps") == 1  # the first attempt's, kept
     assert ((run / "ledger.json").read_bytes(), (run / "model/model.safetensors").read_bytes()) == before
-    again = snakemake(tmp_path, *targets.values(), "--dry-run")
+    again = snakemake(*targets.values(), "--dry-run")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr

@@ -28,6 +28,7 @@ run_main(main)
 """
 
 
+@pytest.mark.helper_process
 @pytest.mark.parametrize("use_run_main", [True, False])
 def test_sigterm_during_an_atomic_write_leaves_nothing(tmp_path, use_run_main):
     out = tmp_path / "artifact.parquet"

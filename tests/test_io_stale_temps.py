@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from userdp import io
 
 
@@ -15,6 +17,7 @@ def dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.helper_process
 def test_the_next_write_removes_leftovers_of_dead_processes_only(tmp_path):
     target = tmp_path / "tokens.parquet"
     dead = tmp_path / f".tokens.parquet.{io._HOST}-{dead_pid()}.abc.tmp"
@@ -42,9 +45,6 @@ def test_temp_names_carry_host_and_pid(tmp_path):
 
 def _square(x):
     return x * x
-
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])

@@ -37,7 +37,11 @@ def poisson_event(sigma, q, T):
 
 @pytest.mark.parametrize(
     "sigma,q,T,G",
-    [(1.0, 0.01, 100, 1), (1.5, 0.02, 50, 3), (4.0, 0.05, 20, 8), (0.8, 0.001, 200, 5), (12.0, 0.01, 100, 32)],
+    [pytest.param(1.0, 0.01, 100, 1, marks=pytest.mark.integration),
+     pytest.param(1.5, 0.02, 50, 3, marks=pytest.mark.integration),
+     pytest.param(4.0, 0.05, 20, 8, marks=pytest.mark.integration),
+     pytest.param(0.8, 0.001, 200, 5, marks=pytest.mark.integration),
+     (12.0, 0.01, 100, 32)],  # the fast lane's case (tests/README.md); the others take 1.5-4 s each
 )
 def test_els_matches_dp_accounting_mixture_event(sigma, q, T, G):
     d = 1e-3  # the reference is slow at 1e-4; the code path is the same
@@ -46,6 +50,7 @@ def test_els_matches_dp_accounting_mixture_event(sigma, q, T, G):
     assert ours == pytest.approx(ref, rel=1e-6)
 
 
+@pytest.mark.integration
 def test_els_matches_at_fine_discretization():
     ours = epsilon_of("els", 3.0, 0.01, 100, 1e-5, 8)
     ref = reference_epsilon(mog_event(3.0, 0.01, 100, 8), 1e-5, 1e-4)
@@ -59,6 +64,7 @@ def test_uls_matches_poisson_event(sigma, q, T):
     assert ours == pytest.approx(ref, rel=1e-6)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sigma,q,T", [(0.9, 0.01, 200), (2.0, 0.2, 20)])
 def test_els_with_one_example_per_user_is_the_poisson_subsampled_gaussian(sigma, q, T):
     # Computed by dp-accounting from the two different events.
@@ -101,8 +107,8 @@ def rdp_accountant(sigma, q, T):
     return acc
 
 
-@pytest.mark.parametrize("sigma,q,T,G,delta", [(3.0, 0.01, 100, 4, 1e-6), (1.2, 0.01, 1000, 4, 1e-6),
-                                               (8.0, 0.01, 1000, 16, 1e-6)])
+@pytest.mark.parametrize("sigma,q,T,G,delta", [pytest.param(3.0, 0.01, 100, 4, 1e-6, marks=pytest.mark.integration),
+                                               (1.2, 0.01, 1000, 4, 1e-6), (8.0, 0.01, 1000, 16, 1e-6)])
 def test_rdp_group_privacy_against_a_scan_of_the_rdp_curve(sigma, q, T, G, delta):
     # The baseline of tensorflow_privacy's user-level path: dp-accounting's RDP curve of the example-level
     # mechanism, converted by group privacy; here by a scan of that curve.
@@ -136,6 +142,7 @@ def test_pld_group_conversion_has_no_bound_below_a_noise_level_where_rdp_still_h
     assert math.isfinite(epsilon_of("group_rdp", 0.9, 0.01, 1000, 1e-6, 4))
 
 
+@pytest.mark.integration
 def test_epsilon_increases_with_q_T_G_and_decreases_with_sigma():
     base = dict(sigma=2.0, q=0.01, T=100, G=4)
 

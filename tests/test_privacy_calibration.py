@@ -11,6 +11,7 @@ from userdp.privacy.calibration import initial_guess
 from privacy_helpers import calibrate_method, epsilon_of, mech
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "method,eps,q,T,G",
     [("els", 1.0, 0.01, 100, 1), ("els", 4.0, 0.01, 200, 8), ("uls", 2.0, 0.02, 100, 1), ("group", 8.0, 0.01, 100, 4)],
@@ -26,6 +27,7 @@ def test_calibrated_sigma_meets_target_and_is_tight(method, eps, q, T, G):
     assert r.noise_lower < r.noise_multiplier <= r.noise_lower * (1 + 1e-3) * (1 + 1e-12)
 
 
+@pytest.mark.integration
 def test_tight_els_needs_less_noise_than_group_privacy():
     tight = calibrate_method("els", 4.0, 1e-6, 0.01, 100, 8).noise_multiplier
     group = calibrate_method("group", 4.0, 1e-6, 0.01, 100, 8).noise_multiplier
@@ -53,6 +55,7 @@ def test_invalid_arguments(bad):
         calibrate_method(**args)
 
 
+@pytest.mark.integration
 def test_initial_guess_is_in_the_right_range():
     r = calibrate_method("els", 2.0, 1e-6, 0.01, 200, 4)
     g = initial_guess(mech("els", 0.01, 200, 4), 2.0, 1e-6)

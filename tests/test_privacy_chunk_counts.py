@@ -53,6 +53,7 @@ def test_token_counts_stream_and_match_rows(tmp_path):
         read_train_token_counts(str(tmp_path / "missing.parquet"))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["els", "uls"])
 def test_plan_from_rows_matches_the_pool(tmp_path, method):
     write_chunked(tmp_path)

@@ -95,6 +95,7 @@ class _UncostedHistogram(CS.NoisyHistogram):
     dp_events = ()
 
 
+@pytest.mark.integration
 def test_rules_with_large_eps_stats_recover_the_exact_rules(pow2_counts):
     h = noisy(pow2_counts, eps=1e4)
     hist = _UncostedHistogram(h.lower_edges, h.weights, h.epsilon, h.file)
@@ -127,7 +128,7 @@ def test_empty_noisy_histogram_falls_back_to_one():
 # ---------------------------------------------------------------- accounting and calibration
 
 
-@pytest.mark.parametrize("method,G", [("els", 4), ("uls", 1)])
+@pytest.mark.parametrize("method,G", [pytest.param("els", 4, marks=pytest.mark.integration), ("uls", 1)])
 def test_composition_is_dp_accountings_and_costs_epsilon(method, G):
     sigma, q, T, delta, d = 1.2, 0.02, 100, 1e-6, 1e-3
     lap = CS.laplace_event(0.3)
@@ -141,6 +142,7 @@ def test_composition_is_dp_accountings_and_costs_epsilon(method, G):
     assert 0.25 < A.fixed_events_epsilon([lap], delta) <= 0.3 + 1e-3
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method,G", [("els", 3), ("uls", 1)])
 def test_calibration_targets_the_total(method, G):
     q, T, delta, eps = 0.02, 100, 1e-6, 2.0
@@ -168,6 +170,7 @@ def ledger_of(plan, steps):
                                  learning_rate=1e-3, training={}, seeds={"run": 0}))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["els", "uls"])
 def test_plan_and_ledger_compose_the_release(counts, method):
     K, T, eps = 6000, 40, 4.0
@@ -207,6 +210,7 @@ def test_plan_and_ledger_compose_the_release(counts, method):
         assert plan.group_size == hist.median_group_size() and "DP histogram" in plan.group_size_rule
 
 
+@pytest.mark.integration
 def test_nonprivate_cell_with_stats(counts):
     plan = plan_cell(dataset="d", method="uls", epsilon=math.inf, compute_budget=6000, steps=40, counts=counts,
                      privacy=STATS_ON, stats=noisy(counts), reference_epsilon=4.0)
@@ -214,6 +218,7 @@ def test_nonprivate_cell_with_stats(counts):
     assert math.isinf(ledger_of(plan, 40)["epsilon"])
 
 
+@pytest.mark.integration
 def test_default_off_leaves_the_plan_unchanged(counts):
     off = {**PRIVACY, "contribution_stats": {"private": False, "epsilon": 0.1, "max_log2": 20}}
     for method in ("els", "uls"):
@@ -286,6 +291,7 @@ def _snakemake(root: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=root, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.integration
 def test_snakemake_wires_the_release_and_the_row_counts(tmp_path):
     target = "results/plan/tiny/method~els/eps~4/budget~600.json"
     root = _workdir(tmp_path, private=True, long_examples="chunk")
@@ -302,6 +308,7 @@ def test_snakemake_wires_the_release_and_the_row_counts(tmp_path):
     assert plan["epsilon_achieved"] <= 4
 
 
+@pytest.mark.integration
 def test_snakemake_default_off_does_not_wire_the_release(tmp_path):
     root = _workdir(tmp_path, private=False, long_examples="truncate")
     p = _snakemake(root, "-n", "--forceall", "results/plan/tiny/method~els/eps~4/budget~600.json")

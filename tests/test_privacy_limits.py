@@ -71,6 +71,7 @@ def test_cli_vacuous_delta_exits_2_with_the_reason(capsys):
     assert "vacuous" in err and "Traceback" not in err
 
 
+@pytest.mark.integration
 def test_near_vacuous_delta_converges_and_is_certified():
     """delta just below p: probes with epsilon = 0 are feasible and the search must go down (it used to loop)."""
     mech = ULS(0.01, 10)
@@ -211,6 +212,7 @@ def _spy_calibrate(monkeypatch) -> list:
     return calls
 
 
+@pytest.mark.integration
 def test_snr_skips_small_cohorts_before_calibrating(monkeypatch):
     # 100 users with 3 examples, 100 with 1000: mbar_G grows to ~500 for large G
     counts = np.array([3] * 100 + [1000] * 100)

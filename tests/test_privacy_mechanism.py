@@ -69,6 +69,7 @@ def test_event_from_json_builds_only_dp_accounting_events():
         mechanism.event_from_json({"module_name": "dp_accounting.dp_event", "class_name": "PLDAccountant"})
 
 
+@pytest.mark.integration
 def test_the_accountant_agrees_with_dp_accounting_on_composed_events():
     sigma, q, T, delta = 1.1, 0.05, 40, 1e-5
     lap = dp_accounting.LaplaceDpEvent(5.0)
@@ -78,6 +79,7 @@ def test_the_accountant_agrees_with_dp_accounting_on_composed_events():
     assert accounting.epsilon(event, delta) == pytest.approx(ref.get_epsilon(delta), rel=1e-6)
 
 
+@pytest.mark.integration
 def test_identical_runs_compose_as_one_longer_run():
     """k runs of T steps of one mechanism are k * T steps (learning-rate selection's composition)."""
     els = mechanism.ELS(0.02, 50, 3)
@@ -105,7 +107,7 @@ def _plan(method: str, sigma: float = 1.2) -> RunSpec:
                    delta=1e-5, clip_norm=1.0, clipping="flat", epsilon=3.0, expected_batch=5.0, compute_budget=150)
 
 
-@pytest.mark.parametrize("method", ["els", "uls"])
+@pytest.mark.parametrize("method", [pytest.param("els", marks=pytest.mark.integration), "uls"])
 def test_the_ledger_records_the_event_that_ran_and_its_epsilon(method):
     plan = _plan(method)
     ledger = build_ledger(plan, RunFacts(steps_completed=12, expected_batch=5.0, n_train_users=10,

@@ -26,6 +26,7 @@ def counts():
     return np.clip(np.round(np.exp(rng.normal(np.log(6), 1.0, 3000))), 1, 200).astype(int)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["els", "uls"])
 def test_expected_compute_equals_budget(counts, method):
     plan = plan_cell(dataset="d", method=method, epsilon=4.0, compute_budget=6000, steps=40, counts=counts, privacy=PRIVACY)
@@ -48,6 +49,7 @@ def test_expected_compute_equals_budget(counts, method):
         assert key in plan.to_record()
 
 
+@pytest.mark.integration
 def test_els_group_size_is_the_median(counts):
     plan = plan_cell(dataset="d", method="els", epsilon=4.0, compute_budget=6000, steps=40, counts=counts, privacy=PRIVACY)
     # The lower median: a count some user has (one definition for exact counts, the DP histogram and the
@@ -55,6 +57,7 @@ def test_els_group_size_is_the_median(counts):
     assert plan.group_size == ExactCounts(counts).median_group_size() == int(np.sort(counts)[(counts.size - 1) // 2])
 
 
+@pytest.mark.integration
 def test_nonprivate_cell(counts):
     plan = plan_cell(dataset="d", method="uls", epsilon=math.inf, compute_budget=6000, steps=40, counts=counts,
                      privacy=PRIVACY, reference_epsilon=4.0)
@@ -63,6 +66,7 @@ def test_nonprivate_cell(counts):
     assert plan.group_size == private.group_size
 
 
+@pytest.mark.integration
 def test_explicit_and_fixed_group_size(counts):
     plan = plan_cell(dataset="d", method="uls", epsilon=4.0, compute_budget=6000, steps=40, counts=counts,
                      privacy=PRIVACY, group_size=16)
@@ -82,6 +86,7 @@ def test_sampling_rate_above_one_names_the_cell(counts):
     assert "more steps" in str(err.value)
 
 
+@pytest.mark.integration
 def test_snr_rule_is_the_argmax_of_its_formula(counts):
     K, T, eps, delta = 60000, 50, 2.0, default_delta(counts.size)
     choice = snr_group_size(ExactCounts(counts), len(counts), K, T, eps, delta, noise_ratio=4.0)

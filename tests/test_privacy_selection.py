@@ -74,6 +74,7 @@ def test_selection_from_config_and_records():
         Selection("random_stopping", 2, 3.0, math.inf)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method,G", [("uls", 1), ("els", 4)])
 def test_composed_calibration_makes_the_released_model_meet_the_target(method, G):
     """Default: each of k runs is calibrated so that the k runs composed meet epsilon."""
@@ -106,6 +107,7 @@ def test_random_stopping_refuses_runs_of_different_mechanisms():
         rs.released_event([a, b])
 
 
+@pytest.mark.integration
 def test_the_plan_records_what_its_epsilon_means():
     counts = np.full(400, 6)
     common = dict(dataset="d", method="uls", epsilon=2.0, compute_budget=2400, steps=40, counts=counts,

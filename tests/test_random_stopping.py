@@ -260,6 +260,7 @@ def test_one_cell_end_to_end_with_a_real_model(tmp_path):
     assert len(metrics["learning_rate_sweep"]) == ledger["random_stopping"]["runs"]
 
 
+@pytest.mark.integration
 def test_dry_run_schedules_one_job_per_private_cell_and_no_learning_rate_runs(tmp_path):
     cfg = tmp_path / "rs.yaml"
     cfg.write_text("privacy:\n  selection: {accounting: random_stopping, mean_runs: 2}\n"

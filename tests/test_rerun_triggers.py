@@ -286,6 +286,7 @@ def test_physical_batch_size_does_not_change_the_trained_model(tmp_path):
         assert torch.allclose(params[0], params[1], rtol=1e-4, atol=1e-6), method
 
 
+@pytest.mark.integration
 def test_filtered_privacy_params_give_the_same_plans():
     """plan_cell on a cell's params equals plan_cell on the whole privacy config, for every kind of cell."""
     from userdp.config import validate_config

@@ -101,17 +101,13 @@ def test_dp_statistics_release_plan_record_and_ledger_carry_the_mode(pool):
     assert ledger["seeds_mode"] == "secret" and ledger["guarantee_caveat"] is None
 
 
-def test_summary_columns_and_figure_footnote(tmp_path):
+def test_summary_columns_and_figure_footnote(aggregate_cells, tmp_path):
     from eval_builders import fake_summary
-    from test_eval_aggregate import _inputs, build_cells, small_config
     from userdp.evaluation.aggregate import build_summary
     from userdp.io import read_json, write_json
-    from userdp.layout import iter_cells
     from userdp.plotting import lm
 
-    cfg = small_config()
-    build_cells(tmp_path, cfg)
-    cells = list(iter_cells(cfg))
+    cfg, cells = aggregate_cells.config, aggregate_cells.cells
     for i, cell in enumerate(cells):  # one ledger in secret mode, one written before the fields existed
         path = tmp_path / cell.run_dir / "ledger.json"
         led = read_json(path)
@@ -122,7 +118,7 @@ def test_summary_columns_and_figure_footnote(tmp_path):
         else:
             led |= seed_secrecy.seeds_fields(False)
         write_json(path, led)
-    summary, _ = build_summary(cfg, _inputs(tmp_path, cfg))
+    summary, _ = build_summary(cfg, aggregate_cells.inputs)
     assert "ledger_seeds_mode" not in summary.columns and "ledger_guarantee_caveat" not in summary.columns
     by_dir = summary.set_index("run_dir")
     first = by_dir.loc[cells[0].run_dir]

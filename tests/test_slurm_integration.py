@@ -37,7 +37,7 @@ import yaml
 from userdp.config import validate_config
 from userdp.layout import iter_cells
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "tests" / "slurm"

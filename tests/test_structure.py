@@ -358,6 +358,7 @@ def repository_files() -> list[Path]:
         return sorted(files)
 
 
+@pytest.mark.helper_process  # git ls-files
 def test_no_reference_leaves_the_repository():
     hits = []
     for path in repository_files():

@@ -118,6 +118,7 @@ def runs(tmp_path_factory):
     return root, ranks, single
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["els", "uls"])
 def test_two_processes_match_one(runs, name):
     root, ranks, single = runs
@@ -146,6 +147,7 @@ def test_two_processes_match_one(runs, name):
     assert not (root / "dist" / name / "checkpoint").exists()
 
 
+@pytest.mark.integration
 def test_noise_added_once_with_std_sigma_c(runs):
     root, ranks, single = runs
     before = torch.cat([p.detach().reshape(-1) for p in tiny_model(seed=1).double().parameters()])
@@ -160,6 +162,7 @@ def test_noise_added_once_with_std_sigma_c(runs):
     assert abs(float(noise.mean())) < 5 * std / math.sqrt(n)
 
 
+@pytest.mark.integration
 def test_neighbouring_replay_with_two_processes(runs):
     """Invariant 7 (docs/method.md section 11) with two processes: on D and D minus the largest user the
     other units and the noise are the same and the clipped sums differ by at most k_t C at every step."""
@@ -167,6 +170,7 @@ def test_neighbouring_replay_with_two_processes(runs):
     check_two_process_replay([r["replay"] for r in ranks], root / "replay" / "single")
 
 
+@pytest.mark.integration
 def test_checkpoint_of_two_processes_resumes_in_one(runs):
     root, ranks, single = runs
     assert not ranks[0]["resume_stop"]["complete"] and not ranks[1]["resume_stop"]["complete"]
@@ -188,6 +192,7 @@ def test_micro_batch_shares_partition_the_step():
     assert cmd[-3:] == ["userdp.training.finetune_job", "--job", "x.json"]
 
 
+@pytest.mark.integration
 def test_torchrun_launcher_matches_in_process_job(tmp_path):
     """finetune_job.launch with 2 processes (torchrun, gloo on CPU) = the same job in this process."""
     from train_fixtures import make_tokenizer
@@ -238,6 +243,7 @@ def test_torchrun_launcher_matches_in_process_job(tmp_path):
     assert not list((tmp_path / "two").glob(".finetune-job-*"))  # the job file is removed
 
 
+@pytest.mark.integration
 def test_secret_seeds_are_the_same_on_every_rank(runs):
     root, ranks, single = runs
     a, b = ranks[0]["secret_seeds"], ranks[1]["secret_seeds"]

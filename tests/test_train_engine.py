@@ -271,7 +271,7 @@ def test_secret_seeds_are_fresh_hidden_and_survive_resume(tmp_path, pool, monkey
     assert torch.equal(resumed, ref)
 
 
-@pytest.mark.parametrize("method,G", [("els", 2), ("uls", 3)])
+@pytest.mark.parametrize("method,G", [pytest.param("els", 2, marks=pytest.mark.integration), ("uls", 3)])
 def test_ledger_epsilon_matches_plan(tmp_path, method, G):
     from privacy_helpers import epsilon_of
 

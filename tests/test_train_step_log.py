@@ -123,18 +123,15 @@ def test_signal_norm_formula():
     assert step_log.signal_norm(1.0, 100, 1.0, 1.0) == 0.0  # below the noise's share: clipped at 0
 
 
-def test_summary_curves_without_loss_use_the_update_signal_norm(tmp_path):
+def test_summary_curves_without_loss_use_the_update_signal_norm(aggregate_cells, tmp_path):
     """aggregate: curves from a default log have loss NaN and the guaranteed curve; the figure plots it."""
-    from test_eval_aggregate import _inputs, build_cells, small_config
-    from userdp.layout import iter_cells
     from userdp.plotting import lm
 
-    cfg = small_config()
-    build_cells(tmp_path, cfg)
-    for cell in iter_cells(cfg):  # replace the fixture's logs by default-mode logs
+    cfg = aggregate_cells.config
+    for cell in aggregate_cells.cells:  # replace the fixture's logs by default-mode logs
         pd.DataFrame({"step": range(1, 6), "learning_rate": 0.01, "update_norm": [9, 8, 7, 6, 5.0],
                       "update_signal_norm": [5, 4, 3, 2, 1.0]}).to_parquet(tmp_path / cell.run_dir / "train_log.parquet")
-    summary, curves = build_summary(cfg, _inputs(tmp_path, cfg))
+    summary, curves = build_summary(cfg, aggregate_cells.inputs)
     assert curves["loss"].isna().all() and curves["update_signal_norm"].notna().all()
     assert summary["train_final_loss"].isna().all() and (summary["train_steps_logged"] == 5).all()
     fig = lm.training_curves(curves, "toy")

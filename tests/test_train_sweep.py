@@ -7,7 +7,6 @@ and no mechanism (each rate draws its own samples and noise from its own seeds, 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -17,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_train_integration import CONFIG, build_inputs
 from userdp.config import validate_config
 from userdp.errors import Preempted
 from userdp.io import read_json
@@ -29,9 +27,8 @@ from userdp.training.targets import lr_dirs, rates_per_job, sweep_outputs, sweep
 RATES = (0.001, 0.01)
 
 
-def _inputs(root):
-    build_inputs(root)
-    cfg = json.loads(json.dumps(CONFIG))
+def _inputs(stage):
+    root, cfg = stage.root, stage.raw
     cfg["training"]["learning_rates"] = list(RATES)
     cfg = validate_config(cfg)
     tokenizer = load_tokenizer(str(root / "results/tokenizer"))
@@ -53,9 +50,11 @@ def _ledger(run_dir):
     return read_json(run_dir / "ledger.json")
 
 
-def test_a_run_trained_after_another_rate_in_one_job_equals_the_run_alone(tmp_path, monkeypatch, caplog):
+@pytest.mark.integration
+def test_a_run_trained_after_another_rate_in_one_job_equals_the_run_alone(train_stage, tmp_path, monkeypatch,
+                                                                          caplog):
     monkeypatch.chdir(tmp_path)  # the plans' and finished records' relative paths
-    cfg = _inputs(tmp_path)
+    cfg = _inputs(train_stage)
     for cell in iter_cells(cfg):
         swept = [tmp_path / "sweep" / cell.lr_dir(lr) for lr in RATES]
         alone = tmp_path / "alone" / cell.lr_dir(RATES[1])
