@@ -99,9 +99,8 @@ def select(evals: Mapping[float, dict]) -> dict:
     if any("validation_loss" in ev for ev in evals.values()) and not any(math.isfinite(v) for v in losses.values()):
         log.warning("every learning rate diverged (validation losses %s); reporting the smallest rate", losses)
     chosen = evals[best]
-    # one rate: nothing to choose, and its evaluation may have skipped validation users (evaluation.validation)
-    needed = ("validation_loss", "test_loss") if len(evals) > 1 else ("test_loss",)
-    missing = [k for k in needed if k not in chosen]
+    # validation_loss is checked above where there is a choice; one rate may have skipped validation users
+    missing = [k for k in ("test_loss",) if k not in chosen]
     if missing:
         raise DataError(f"eval.json of learning rate {fmt_num(best)} lacks {missing}; rerun the evaluate rule.")
     out = {k: chosen[k] for k in REPORTED if k in chosen}
