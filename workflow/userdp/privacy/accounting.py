@@ -400,9 +400,67 @@ BYTES_PER_POINT = 70
 # ---------------------------------------------------------------- composed PLDs
 
 
+#: dp-accounting's Chernoff orders of `compute_self_convolve_bounds`, in units of 1 / len(pmf) (its default).
+_CHERNOFF_ORDERS = np.concatenate((np.arange(-20, 0), np.arange(1, 21)))
+
+
+def _log_mgf(index: np.ndarray, probs: np.ndarray, nonzero: np.ndarray, order: float) -> float:
+    """`scipy.special.logsumexp(index * order, b=probs)` for a nonnegative pmf, bit for bit, ~6x faster.
+
+    scipy's logsumexp (1.17) masks zero weights to -inf, takes the largest term out of the sum, adds the
+    others shifted by it and returns log1p(s / m) + log(m) + max; for a = index * order (monotone, order != 0)
+    the largest term of the nonzero weights is the last (order > 0) or first (order < 0) of them, so the same
+    array is summed by the same `np.sum` here, without its generic index and mask passes. A non-finite result
+    is computed by scipy itself (its fallback differs there); tests/test_privacy_accounting.py compares both.
+    """
+    a = index * order
+    top = int(nonzero[-1] if order > 0 else nonzero[0])
+    a_max = a[top]
+    d = a - a_max
+    d[probs == 0] = -np.inf
+    d[top] = -np.inf
+    s = np.sum(probs * np.exp(d))
+    m = probs[top]
+    if s != 0:
+        s = s / m
+    out = np.log1p(s) + np.log(m) + a_max
+    if not np.isfinite(out):
+        from scipy import special
+
+        return float(special.logsumexp(a, b=probs))
+    return float(out)
+
+
+def _self_convolve_bounds(probs, steps: int, tail_mass_truncation: float) -> tuple[int, int]:
+    """`dp_accounting.pld.common.compute_self_convolve_bounds(probs, steps, tail)`, the same integers, faster.
+
+    dp-accounting (0.6) bounds the T-fold convolution with Chernoff bounds at 40 orders, each a scipy
+    logsumexp over the whole pmf: a quarter of a calibration's time. The same bound loop on `_log_mgf`
+    (bit-identical log moment generating functions); any other input (not a float64 nonnegative pmf with
+    a nonzero entry) goes to dp-accounting's own function.
+    """
+    probs = np.asarray(probs)
+    nonzero = np.flatnonzero(probs)
+    if (tail_mass_truncation == 0 or probs.dtype != np.float64 or probs.ndim != 1 or nonzero.size == 0
+            or probs.min() < 0):
+        return pld_common.compute_self_convolve_bounds(probs, steps, tail_mass_truncation)
+    n = len(probs)
+    upper, lower = (n - 1) * steps, 0
+    index = np.arange(n)
+    for order in _CHERNOFF_ORDERS / n:
+        bound = (steps * _log_mgf(index, probs, nonzero, order) + math.log(2 / tail_mass_truncation)) / order
+        if not math.isfinite(bound):
+            continue
+        if order > 0:
+            upper = min(upper, math.ceil(bound))
+        if order < 0:
+            lower = max(lower, math.floor(bound))
+    return lower, upper
+
+
 def _self_convolve_length(probs, steps: int) -> tuple[int, int, int]:
     """dp-accounting's truncation bounds (lo, hi) of a T-fold self-convolution and the FFT length it allocates."""
-    lo, hi = pld_common.compute_self_convolve_bounds(probs, steps, TAIL_MASS_TRUNCATION)
+    lo, hi = _self_convolve_bounds(probs, steps, TAIL_MASS_TRUNCATION)
     return lo, hi, int(fft.next_fast_len(max(hi - lo + 1, len(probs))))
 
 
