@@ -302,8 +302,10 @@ def simulate_scores(setup: CellSetup, sigma: float, rng: np.random.Generator, *,
     k, pk = setup.unit_law()
     draws = rng.choice(k, size=(m, T), p=pk / pk.sum()) * included[:, None]
     y = draws + rng.normal(0.0, sigma * noise_scale, size=(m, T))
-    amp = np.ones(m)
-    return {"likelihood_ratio": likelihood_ratio_scores(y, amp, k, pk, sigma)}, included
+    lr = likelihood_ratio_scores(y, np.ones(m), k, pk, sigma)
+    # no divisor reads as a count here, so the count-aware score is the likelihood ratio (as in a run that
+    # divides by the public q N); both are kept so that the bound tests the same guess sets as an engine run
+    return {"likelihood_ratio": lr, "count_aware": lr.copy()}, included
 
 
 # ---------------------------------------------------------------- the engine run
