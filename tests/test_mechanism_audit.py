@@ -321,3 +321,11 @@ def test_canary_gradient_is_one_row_of_the_embedding_and_above_the_clip_norm():
     np.testing.assert_allclose(grads[3], g[int(s.canary_token(3))].numpy(), rtol=1e-5, atol=1e-7)
     assert np.linalg.norm(grads, axis=1).min() > 100 * s.clip_norm
 
+
+
+def test_an_audit_that_cannot_exceed_the_claim_says_so_before_training(caplog, monkeypatch):
+    params = _params(epsilons=[8], mechanism={"canaries": 50})
+    monkeypatch.setattr(ma, "audit_cell", lambda *a, **k: pytest.fail("trained"))  # the warning comes first
+    with caplog.at_level("WARNING"), pytest.raises(pytest.fail.Exception, match="trained"):
+        ma.run_audit(params)
+    assert "cannot show a bound above the claim" in caplog.text and "50 canaries" in caplog.text

@@ -568,6 +568,12 @@ def run_audit(params: Mapping[str, Any], dataset: str = "", *, method: str | Non
     settings = {"optimizer": params["optimizer"], "schedule": params["schedule"]}
     rows = []
     for setup in select_cells(params, method, epsilon):
+        ceiling = bound_ceiling(setup.canaries, setup.delta, setup.confidence, setup.guess_fractions)
+        if ceiling <= setup.epsilon:
+            log.warning("%s eps %g: this audit cannot show a bound above the claim: the largest bound possible with "
+                        "%d canaries at delta %.3g and confidence %g is %.4g (every guess right). Use more canaries "
+                        "(audit.mechanism.canaries) or a smaller delta (audit.mechanism.delta).", setup.method,
+                        setup.epsilon, setup.canaries, setup.delta, setup.confidence, ceiling)
         if setup.processes <= 1:
             row = audit_cell(setup, settings=settings, dataset=dataset)
         else:
