@@ -103,8 +103,6 @@ def noise_on_every_rank() -> Iterator[None]:
 @contextlib.contextmanager
 def divide_by_realised_size() -> Iterator[None]:
     """(f) The noisy sum is divided by the realised number of sampled units (at least 1), not by q N."""
-    orig_call = engine.DPStep.__call__
-
     def call(self):
         sel = self.sample()
         sums = self.clipped_sum(sel)
@@ -115,7 +113,6 @@ def divide_by_realised_size() -> Iterator[None]:
         finally:
             self.expected = expected
 
-    del orig_call
     with _patched(engine.DPStep, "__call__", call):
         yield
 

@@ -22,7 +22,6 @@ the unit tests of the scores, the cell selection and the table are fast.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest

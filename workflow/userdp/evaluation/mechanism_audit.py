@@ -132,12 +132,6 @@ class CellSetup:
         start = len(SPECIAL_IDS) + OTHER_TOKENS + self.canaries
         return np.arange(start, start + FREE_TOKENS)
 
-    @property
-    def n_units(self) -> int:
-        """N for the expected divisor if every canary were included (the real N depends on the coins)."""
-        users = self.canaries + self.other_users
-        return users * self.group_size if self.method == "els" else users
-
     def unit_law(self) -> tuple[np.ndarray, np.ndarray]:
         """(k, P(k)): how many of an included canary's units a step samples (ELS: Binomial(G, q); ULS: Bernoulli(q))."""
         from ..privacy.accounting import binomial_sensitivities
