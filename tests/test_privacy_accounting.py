@@ -247,3 +247,17 @@ def test_self_convolve_bounds_are_dp_accountings():
     # inputs outside the fast path (no nonzero entry, negative entries) take dp-accounting's own function
     for probs in (np.zeros(5), np.array([0.5, -0.1, 0.6])):
         assert A._self_convolve_bounds(probs, 10, 1e-15) == pld_common.compute_self_convolve_bounds(probs, 10, 1e-15)
+
+
+@pytest.mark.parametrize("sigma", [3.1032171316188943, 1.0, 9.55])
+def test_els_at_full_batch_is_the_gaussian_mechanism_with_sensitivity_g(sigma):
+    """ELS at q = 1: every example of every user in every step, Binomial(G, 1) = G: the Gaussian mechanism
+    with sensitivity G. dp-accounting's MoG tail search returned None on this mixture at some sigmas (3.10 at
+    G = 4: a TypeError that crashed a run's ledger after training); it is composed as the Gaussian it is."""
+    from userdp.privacy import mechanism
+
+    G, T, delta = 4, 4, 1e-6
+    ours = A.epsilon(mechanism.ELS(1.0, T, G).dp_event(sigma), delta)
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=A.FINE_DISCRETIZATION)
+    acc.compose(dp_accounting.GaussianDpEvent(sigma / G), T)
+    assert ours == pytest.approx(acc.get_epsilon(delta), rel=1e-6)

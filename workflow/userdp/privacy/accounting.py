@@ -541,19 +541,36 @@ def _composed_step_pld(step: tuple, steps: int, discretization: float):
     """
     kind, sigma = step[0], step[1]
     what = _describe_step(step)
-    if kind == "mog" or step[2] < 1:
+    sensitivity = _certain_sensitivity(step)
+    if sensitivity is None:
         sens, probs = prune_mixture(step[2], step[3]) if kind == "mog" else ([0.0, 1.0], [1.0 - step[2], step[2]])
         _preflight_composition(sigma, sens, probs, int(steps), discretization, what)
         pld = mixture_gaussian_pld(sigma, sens, probs, discretization, what)
     else:
-        loss = plm.GaussianPrivacyLoss(sigma, sensitivity=1, pessimistic_estimate=True, log_mass_truncation_bound=-50,
-                                       sampling_prob=1.0, adjacency_type=plm.AdjacencyType.REMOVE)
+        loss = plm.GaussianPrivacyLoss(sigma, sensitivity=sensitivity, pessimistic_estimate=True,
+                                       log_mass_truncation_bound=-50, sampling_prob=1.0,
+                                       adjacency_type=plm.AdjacencyType.REMOVE)
         check_pld_size(_grid_points(loss, discretization), what, discretization)
         pld = pld_lib.from_gaussian_mechanism(
-            standard_deviation=sigma, value_discretization_interval=discretization, sampling_prob=1.0,
-            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+            standard_deviation=sigma, sensitivity=sensitivity, value_discretization_interval=discretization,
+            sampling_prob=1.0, neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
         )
     return _compose(pld, steps, discretization, what)
+
+
+def _certain_sensitivity(step: tuple) -> float | None:
+    """The sensitivity of a step that is the plain Gaussian mechanism (no randomness in it), else None.
+
+    ("poisson", sigma, 1): every unit in every step, sensitivity 1. ("mog", sigma, sens, probs) with all its
+    probability on one sensitivity s (ELS at q = 1: Binomial(G, 1) puts it on G): the Gaussian mechanism with
+    sensitivity s, which is what the mixture is. dp-accounting's MoG tail search fails on such a mixture
+    (its lower truncation lies exactly at the end of its search interval and, by rounding, the search can
+    return None: TypeError), so it is composed as the Gaussian it is.
+    """
+    if step[0] != "mog":
+        return 1.0 if step[2] >= 1 else None
+    positive = [float(s) for s, p in zip(step[2], step[3]) if p > 0]
+    return positive[0] if len(positive) == 1 and positive[0] > 0 else None
 
 
 def _step_key(event: dp_accounting.DpEvent) -> tuple | None:
