@@ -150,3 +150,29 @@ def test_extraction_summary_reads_included_against_excluded():
     assert out["exposure_included_mean"] == 5.0 and out["exposure_excluded_mean"] == 0.5 and out["exposure_max"] == 8
     none = audit.extraction_summary(included, secrets, decoded, np.full(4, np.nan), 0)
     assert math.isnan(none["exposure_included_mean"]) and none["exposure_candidates"] == 0
+
+
+def test_secret_loss_and_greedy_decoding_on_a_tiny_model():
+    """secret_nll is the loss of the secret's tokens only (the whole sequence's minus the prefix's), and each
+    greedily decoded token is the model's argmax given everything before it."""
+    import torch
+
+    from userdp.evaluation.metrics import sequence_scores
+    from userdp.training.models import build_model
+
+    torch.manual_seed(0)
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    model = build_model({"architecture": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2}, 30, 16, ids, seed=0).eval()
+    rng = np.random.default_rng(0)
+    prefixes, secrets = rng.integers(3, 30, size=(7, 3)), rng.integers(3, 30, size=(7, 5))
+    got = audit.secret_nll(model, prefixes, secrets, 1, batch_size=3, device="cpu")
+    full = [np.array([1, *p, *s]) for p, s in zip(prefixes, secrets)]
+    head = [np.array([1, *p]) for p in prefixes]
+    with torch.no_grad():
+        want = sequence_scores(model, full, 4)[0] - sequence_scores(model, head, 4)[0]
+    assert got == pytest.approx(want, rel=1e-5)
+    decoded = audit.greedy_continuations(model, prefixes, 5, 1, batch_size=4, device="cpu")
+    seq = torch.from_numpy(np.concatenate([np.ones((7, 1), np.int64), prefixes, decoded], axis=1))
+    with torch.no_grad():
+        argmax = model(input_ids=seq).logits[:, 3:8].argmax(dim=-1).numpy()
+    assert (argmax == decoded).all()
