@@ -21,7 +21,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from .lm import SHORT, _method_order, _style  # noqa: E402
 
-EMPIRICAL_LABEL = "empirical user-level ε lower bound (95% confidence; filled (ε, δ), hollow f-DP)"
+EMPIRICAL_LABEL = "user-level ε lower bound, 95% (filled: (ε, δ); hollow: f-DP)"
 CLAIMED_LABEL = "claimed ε of the audited run (ledger)"
 
 
