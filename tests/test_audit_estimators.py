@@ -176,3 +176,21 @@ def test_secret_loss_and_greedy_decoding_on_a_tiny_model():
     with torch.no_grad():
         argmax = model(input_ids=seq).logits[:, 3:8].argmax(dim=-1).numpy()
     assert (argmax == decoded).all()
+
+
+def test_the_claim_at_the_audit_delta_is_the_runs_accountant_there():
+    import dp_accounting
+
+    from userdp.privacy import accounting
+    from userdp.privacy.mechanism import event_to_json
+
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.5)), 20)
+    at_run = accounting.epsilon(event, 1e-3)
+    ledger = {"epsilon": at_run, "delta": 1e-3, "dp_event": event_to_json(event)}
+    assert audit.claim_at_delta(ledger, 1e-3) == at_run  # the ledger's own, not recomputed
+    smaller = audit.claim_at_delta(ledger, 1e-6)
+    assert smaller == pytest.approx(accounting.epsilon(event, 1e-6)) and smaller > at_run
+    assert audit.claim_at_delta({"epsilon": "inf", "delta": 1e-3, "dp_event": None}, 1e-6) == math.inf
+    with pytest.raises(ValueError, match="dp_event"):
+        audit.claim_at_delta({"epsilon": at_run, "delta": 1e-3}, 1e-6)

@@ -593,6 +593,11 @@ def summary_rows(results: Sequence[Mapping]) -> "pd.DataFrame":
     return df.sort_values(["dataset", "method", "epsilon_claimed"], kind="stable").reset_index(drop=True)
 
 
+def _missing(x) -> bool:
+    """True for None and float nan (a summary cell without a value)."""
+    return x is None or (isinstance(x, (float, np.floating)) and math.isnan(x))
+
+
 def _fmt(x, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
@@ -638,6 +643,13 @@ def summary_html(df: "pd.DataFrame", dataset: str) -> str:
                    f"f-DP bound ({int(r['canaries'])} canaries, δ = {_fmt(r['delta'])}, "
                    f"{_fmt(100 * r['confidence'])}% confidence): a cell at its ceiling leaked at least that much, "
                    "and may have leaked more.</p>\n")
+    risk = "; ".join(
+        f"{str(r['method']).upper()} ε {_fmt(r['epsilon_claimed'])}: {_fmt(r['exposure_included_mean'])} bits "
+        f"(chance {_fmt(r['exposure_excluded_mean'])}), {_fmt(100 * r['extraction_rate_included'])}% extracted"
+        for _, r in df.iterrows() if not _missing(r.get("extraction_rate_included")))
+    if risk:
+        ceiling += f"<p>Extraction risk (mean exposure of the included canaries; secrets greedy decoding " \
+                   f"returns): {html.escape(risk)}.</p>\n"
     return (
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>User-level membership audit: "
         f"{html.escape(dataset)}</title><style>table{{border-collapse:collapse;font-family:sans-serif}}"
