@@ -4,10 +4,12 @@ Canary users (`userdp.data.canaries`) were each included in training with
 probability 1/2. Here every canary gets a membership score from the audited
 model, higher meaning "more likely trained on":
 
-* `loss`: minus the model's mean next-token loss on the canary's example;
+* `loss`: minus the model's mean next-token loss on the canary's secret
+  tokens, given bos + its prefix (`secret_nll`; Panda et al. 2025 score the
+  canary's own tokens only);
 * `likelihood_ratio`: the reference model's loss minus the audited model's
   (the reference, the pretrained base model, never saw a canary), which
-  removes how hard a canary's random secret is for any model.
+  removes how hard a canary's secret is for any model.
 
 From the scores and the true coins: the ROC AUC, the TPR at 1% FPR, and the
 empirical user-level epsilon lower bound of the one-run audit (Steinke, Nasr
@@ -24,7 +26,14 @@ whose bound on the p-value of the observed v is below 1 - confidence. The
 audit tries several guess sets (`GuessSet`: every guess count of
 `audit.guess_fractions`, one-sided and two-sided, for both scores) and
 divides 1 - confidence by their number (Bonferroni), so the largest bound
-over all of them holds at the stated confidence. A lower bound is evidence
+over all of them holds at the stated confidence. Next to it, on the same
+guesses, the f-DP one-run bound of Mahloujifar, Melis and Chaudhuri 2025
+with the Gaussian trade-off curve (`epsilon_lower_bound_fdp`: tighter, no
+2 m delta term, but it assumes the mechanism's trade-off curve is Gaussian),
+and both bounds' ceilings (`ceilings`: what all-correct guesses give, known
+before training). Extraction risk: the exposure of each secret among
+sampled candidates (Carlini et al. 2019, `exposure`) and greedy decoding
+from the canary's prefix (`greedy_continuations`). A lower bound is evidence
 of leakage, never a proof of privacy: an audit that finds nothing says only
 that these canaries and these scores did not reveal more.
 """
