@@ -194,3 +194,23 @@ def test_the_claim_at_the_audit_delta_is_the_runs_accountant_there():
     assert audit.claim_at_delta({"epsilon": "inf", "delta": 1e-3, "dp_event": None}, 1e-6) == math.inf
     with pytest.raises(ValueError, match="dp_event"):
         audit.claim_at_delta({"epsilon": at_run, "delta": 1e-3}, 1e-6)
+
+
+def test_plan_time_check_uses_the_audit_delta_and_refuses_an_audit_that_can_show_nothing():
+    from userdp.errors import ConfigError
+
+    section = {"canaries": 200, "confidence": 0.95, "guess_fractions": [0.05, 0.1, 0.2, 0.5], "delta": None}
+    ceiling, warning = audit_targets.plan_time_check(section, 2.4e-5, dataset="d", method="uls", eps="1")
+    assert ceiling["delta"] == 2.4e-5 and warning is None
+    assert ceiling["epsilon_lower_bound_ceiling"] == pytest.approx(2.755, abs=1e-3)
+    # a 600-user dataset's delta: warned, with the fix and the ceilings at the suggested delta
+    ceiling, warning = audit_targets.plan_time_check(section, 1.3e-3, dataset="d", method="els", eps="8")
+    assert ceiling["epsilon_lower_bound_ceiling"] == 0.0 and warning.startswith("the audit of d (els, eps 8)")
+    assert "audit.delta: 1e-06" in warning and "2.82" in warning and "5.23" in warning
+    # audit.delta replaces the runs' delta
+    ceiling, warning = audit_targets.plan_time_check({**section, "delta": 1e-6}, 1.3e-3, dataset="d", method="els",
+                                                     eps="1")
+    assert ceiling["delta"] == 1e-6 and ceiling["epsilon_lower_bound_fdp_ceiling"] > 5 and warning is None
+    with pytest.raises(ConfigError, match=r"the audit of d \(uls, eps 1\): at delta = 0.01 .* no bound above 0"):
+        audit_targets.plan_time_check({**section, "canaries": 2, "delta": 0.01}, 2.4e-5, dataset="d", method="uls",
+                                      eps="1")

@@ -40,9 +40,8 @@ def test_claim_9_verdict_follows_the_paired_interval(sep_els, sep_uls, expected)
     assert f.claim_id == 9 and f.domain == findings.AUDIT and f.verdict == expected
     assert f.ci_low <= f.effect <= f.ci_high
     # the effect is the mean over epsilons of ELS AUC - ULS AUC
-    want = np.mean([next(r["likelihood_ratio_auc"] for r in results if r["method"] == "els" and r["epsilon_target"] == e)
-                    - next(r["likelihood_ratio_auc"] for r in results if r["method"] == "uls" and r["epsilon_target"] == e)
-                    for e in (1.0, 8.0)])
+    auc = {(r["method"], r["epsilon_target"]): r["likelihood_ratio_auc"] for r in results}
+    want = np.mean([auc[("els", e)] - auc[("uls", e)] for e in (1.0, 8.0)])
     assert f.effect == pytest.approx(want)
     assert "eps 1" in f.detail and "eps 8" in f.detail and "paired bootstrap" in f.detail
 

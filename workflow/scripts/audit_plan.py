@@ -16,9 +16,7 @@ import userdp.io
 import userdp.logutil
 from userdp.layout import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
-from userdp.errors import ConfigError
-from userdp.evaluation.audit import ceilings
-from userdp.evaluation.audit_targets import SUGGESTED_DELTA, ceiling_check, grid_delta
+from userdp.evaluation.audit_targets import grid_delta, plan_time_check
 from userdp.privacy.planner import read_train_token_counts
 from userdp.privacy.selection import Selection
 
@@ -32,6 +30,13 @@ def main() -> None:
     counts = read_train_token_counts(inputs["tokens"])
     # delta is the grid's: from the dataset's train users (a public size), not the audit's smaller table
     privacy, delta_rule = grid_delta(dict(sm.params.privacy), userdp.io.read_json(inputs["contributions"]))
+    # What this audit can show at all, before anything is planned or trained: refuse an audit that can only report 0.
+    ceiling, warning = plan_time_check(sm.params.untracked["audit"], float(privacy["delta"]), dataset=w.dataset,
+                                       method=w.method, eps=w.eps)
+    if warning:
+        log.warning("%s", warning)
+    log.info("the most this audit can show at delta %.3g: %.4g ((epsilon, delta) one-run bound), %.4g (f-DP bound)",
+             ceiling["delta"], ceiling["epsilon_lower_bound_ceiling"], ceiling["epsilon_lower_bound_fdp_ceiling"])
     stats = None
     if "contributions_dp" in inputs:
         stats = NoisyHistogram.from_release(userdp.io.read_json(inputs["contributions_dp"]), inputs["contributions_dp"])
@@ -42,21 +47,6 @@ def main() -> None:
     )
     plan = plan.replace(median_train=None, delta_rule=delta_rule, contribution_counts=(
         "audit tokens.parquet rows per train user (dataset train users plus included canaries)"))
-    # What this audit can show at all, before anything trains: refuse an audit that can only report 0.
-    a = sm.params.untracked["audit"]
-    audit_delta = float(a["delta"]) if a["delta"] is not None else float(privacy["delta"])
-    ceiling = ceilings(int(a["canaries"]), audit_delta, float(a["confidence"]), list(a["guess_fractions"]))
-    suggestion = (ceilings(int(a["canaries"]), SUGGESTED_DELTA, float(a["confidence"]), list(a["guess_fractions"]))
-                  if audit_delta > SUGGESTED_DELTA else None)
-    status, message = ceiling_check(ceiling, canaries=int(a["canaries"]), delta=audit_delta,
-                                    audit_delta_set=a["delta"] is not None, epsilon_target=parse_num(w.eps),
-                                    suggestion=suggestion)
-    if status == "error":
-        raise ConfigError(f"the audit of {w.dataset} ({w.method}, eps {w.eps}): {message}")
-    if message:
-        log.warning("the audit of %s (%s, eps %s): %s", w.dataset, w.method, w.eps, message)
-    log.info("the most this audit can show at delta %.3g: %.4g ((epsilon, delta) one-run bound), %.4g (f-DP bound)",
-             audit_delta, ceiling["epsilon_lower_bound_ceiling"], ceiling["epsilon_lower_bound_fdp_ceiling"])
     plan.write(sm.output[0])
     log.info("%s: G=%d (%s), q=%.5g, sigma=%.5g, eps achieved %s", sm.output[0], plan.group_size,
              plan.group_size_rule, plan.sampling_rate, plan.noise_multiplier, plan.epsilon_achieved)

@@ -148,8 +148,8 @@ def ceiling_check(ceiling: Mapping[str, float], *, canaries: int, delta: float, 
     """
     one_run, fdp = ceiling["epsilon_lower_bound_ceiling"], ceiling["epsilon_lower_bound_fdp_ceiling"]
     which = "audit.delta" if audit_delta_set else "the runs' delta (audit.delta: null)"
-    fix = (f"audit with a smaller delta (audit.delta: {SUGGESTED_DELTA:g}, the audit's own delta: the bound then tests the runs' "
-           f"epsilon at that delta"
+    fix = (f"audit with a smaller delta (audit.delta: {SUGGESTED_DELTA:g}, the audit's own delta: the bound then "
+           f"tests the runs' epsilon at that delta"
            + (f", where the ceilings are {suggestion['epsilon_lower_bound_ceiling']:.3g} and "
               f"{suggestion['epsilon_lower_bound_fdp_ceiling']:.3g}" if suggestion else "")
            + ") or with fewer canaries (audit.canaries; the 2 m delta term shrinks with m), or more canaries at a "
@@ -179,3 +179,26 @@ def audit_targets(config: Mapping) -> list[str]:
     for d in audited_datasets(config):
         out += [t.format(dataset=d) for t in (layout.AUDIT_SUMMARY, layout.AUDIT_SUMMARY_CSV, layout.AUDIT_TABLE)]
     return out
+
+
+def plan_time_check(audit: Mapping, run_delta: float, *, dataset: str, method: str,
+                    eps: str) -> tuple[dict, str | None]:
+    """Rule audit_plan's check, before training: (the ceilings at the audit's delta, a warning or None).
+
+    `audit`: ceiling_params' section (m, confidence, guess fractions,
+    audit.delta); `run_delta`: the runs' delta (the plan's). Raises
+    ConfigError, naming the fix, when no bound above 0 is possible.
+    """
+    from ..errors import ConfigError
+    from .audit import ceilings
+
+    delta = float(audit["delta"]) if audit["delta"] is not None else float(run_delta)
+    m, conf, fractions = int(audit["canaries"]), float(audit["confidence"]), list(audit["guess_fractions"])
+    ceiling = ceilings(m, delta, conf, fractions)
+    suggestion = ceilings(m, SUGGESTED_DELTA, conf, fractions) if delta > SUGGESTED_DELTA else None
+    status, message = ceiling_check(ceiling, canaries=m, delta=delta, audit_delta_set=audit["delta"] is not None,
+                                    epsilon_target=layout.parse_num(eps), suggestion=suggestion)
+    where = f"the audit of {dataset} ({method}, eps {eps})"
+    if status == "error":
+        raise ConfigError(f"{where}: {message}")
+    return {**ceiling, "delta": delta}, (f"{where}: {message}" if message else None)

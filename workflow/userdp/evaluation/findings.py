@@ -480,7 +480,8 @@ def audit_findings(results: Sequence[Mapping], scores: Mapping[tuple[str, str, s
         parts.append(f"{d} eps {_fmt(e)} (claimed ELS {float(ce['epsilon_claimed']):.3g}, ULS "
                      f"{float(cu['epsilon_claimed']):.3g}): AUC ELS {ce[f'{AUDIT_SCORE}_auc']:.3f} vs ULS "
                      f"{cu[f'{AUDIT_SCORE}_auc']:.3f}, bounds ELS {float(ce['epsilon_lower_bound']):.3g}/"
-                     f"{float(ce.get('epsilon_lower_bound_fdp') or 0):.3g} vs ULS {float(cu['epsilon_lower_bound']):.3g}/"
+                     f"{float(ce.get('epsilon_lower_bound_fdp') or 0):.3g} vs ULS "
+                     f"{float(cu['epsilon_lower_bound']):.3g}/"
                      f"{float(cu.get('epsilon_lower_bound_fdp') or 0):.3g} ((eps, delta)/f-DP)")
     lo, hi = (float(q) for q in np.nanquantile(boot, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]))
     design = ", ".join(sorted({str(cells[(d, m, e)].get("canary_design")) for d, e in pairs for m in ("els", "uls")}))
