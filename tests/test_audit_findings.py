@@ -16,7 +16,7 @@ def _cell(rng, included, separation: float, method: str, eps, dataset="d") -> tu
                           "score_loss": score, "score_likelihood_ratio": score})
     res = {"dataset": dataset, "method": method, "epsilon_target": eps, "epsilon_claimed": eps,
            "canary_design": "new_token", "epsilon_lower_bound": 0.0, "epsilon_lower_bound_fdp": 0.0,
-           "likelihood_ratio_auc": audit.auc(score, included)}
+           "loss_auc": audit.auc(score, included), "likelihood_ratio_auc": audit.auc(score, included)}
     return res, frame
 
 
@@ -40,7 +40,7 @@ def test_claim_9_verdict_follows_the_paired_interval(sep_els, sep_uls, expected)
     assert f.claim_id == 9 and f.domain == findings.AUDIT and f.verdict == expected
     assert f.ci_low <= f.effect <= f.ci_high
     # the effect is the mean over epsilons of ELS AUC - ULS AUC
-    auc = {(r["method"], r["epsilon_target"]): r["likelihood_ratio_auc"] for r in results}
+    auc = {(r["method"], r["epsilon_target"]): r["loss_auc"] for r in results}
     want = np.mean([auc[("els", e)] - auc[("uls", e)] for e in (1.0, 8.0)])
     assert f.effect == pytest.approx(want)
     assert "eps 1" in f.detail and "eps 8" in f.detail and "paired bootstrap" in f.detail
