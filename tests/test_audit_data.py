@@ -77,16 +77,25 @@ def test_tokens_without_metadata_are_refused():
 
 
 def test_audit_config_checks():
-    with pytest.raises(ConfigError, match="audit.secret_length"):
-        _config(secret_length=23)
-    _config(secret_length=22)
+    # bos + prefix (8 by default) + secret + eos must fit the sequence length (24 here)
+    with pytest.raises(ConfigError, match="audit.secret_length is 15.*at most 14"):
+        _config(secret_length=15)
+    _config(secret_length=14)
+    _config(secret_length=22, prefix_length=0)
+    with pytest.raises(ConfigError, match="audit.prefix_length is 22.*at most 21"):
+        _config(prefix_length=22)
+    with pytest.raises(ConfigError, match="canary_design"):
+        _config(canary_design="nope")
     # null: the longest secret that fits, up to 16 (a short sequence length no longer refuses the default)
     cfg = _config()
     seq = cfg["tokenizer"]["sequence_length"]
-    assert cfg["audit"]["secret_length"] is None
-    assert canaries_lib.resolved_secret_length(cfg) == min(16, seq - 2)
+    assert cfg["audit"]["secret_length"] is None and cfg["audit"]["prefix_length"] == 8
+    assert cfg["audit"]["canary_design"] == "new_token" and cfg["audit"]["delta"] is None
+    assert canaries_lib.resolved_secret_length(cfg) == min(16, seq - 2 - 8)
     short = json.loads(json.dumps(cfg))
     short["tokenizer"]["sequence_length"] = 12
+    assert canaries_lib.resolved_secret_length(short) == 2
+    short["audit"]["prefix_length"] = 0
     assert canaries_lib.resolved_secret_length(short) == 10
     with pytest.raises(ConfigError, match="audit.datasets"):
         _config(datasets=["nope"])
@@ -148,3 +157,69 @@ def test_audit_plans_use_the_grid_delta():
     privacy, rule = grid_delta({"delta": None, "delta_exponent": 1.1}, {"n_users": {"train": 16000}})
     assert privacy["delta"] == pytest.approx(16000 ** -1.1) and "N = 16000" in rule
     assert grid_delta({"delta": 1e-7}, {"n_users": {"train": 10}}) == ({"delta": 1e-7}, "privacy.delta")
+
+
+def _corpus_tables(tmp_path):
+    """Two token tables whose rows use tokens 3..12 only, with known bigrams."""
+    rows_a = [[1, 3, 4, 5, 2], [1, 6, 7, 2]]
+    rows_b = [[1, 8, 9, 10, 11, 12, 2], [5, 3]]
+    paths = []
+    for name, rows in (("a", rows_a), ("b", rows_b)):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.int32()))}), path)
+        paths.append(path)
+    return paths, rows_a + rows_b
+
+
+def test_corpus_stats_count_tokens_and_in_row_bigrams(tmp_path):
+    paths, rows = _corpus_tables(tmp_path)
+    stats = canaries_lib.corpus_stats(paths, 40, batch_rows=1)
+    flat = [t for r in rows for t in r]
+    assert stats.counts.tolist() == np.bincount(flat, minlength=40).tolist()
+    pairs = {(a, b) for r in rows for a, b in zip(r[:-1], r[1:])}
+    assert set(stats.bigrams.tolist()) == {a * 40 + b for a, b in pairs}
+    assert stats.has_bigram(3, 4) and stats.has_bigram(5, 3) and not stats.has_bigram(2, 1)  # 2 -> 1 spans rows
+    assert stats.has_bigram(np.array([6, 7]), np.array([7, 6])).tolist() == [True, False]
+    with pytest.raises(DataError, match="outside the vocabulary"):
+        canaries_lib.corpus_stats(paths, 10)
+
+
+def test_new_token_and_rare_bigram_canaries_follow_their_design(tmp_path):
+    paths, _ = _corpus_tables(tmp_path)
+    stats = canaries_lib.corpus_stats(paths, 40)
+    seen = set(np.flatnonzero(stats.counts).tolist()) - {0, 1, 2}
+    new = canaries_lib.make_canaries(canaries_lib.CanarySpec(300, 2, 5, 0, "new_token", 3, 7), META, 0, "d", stats)
+    secrets, prefixes = np.array(new["secret"].to_pylist()), np.array(new["prefix"].to_pylist())
+    assert set(secrets.ravel().tolist()) == set(range(3, 40)) - seen  # every unseen non-special token, only those
+    assert set(prefixes.ravel().tolist()) <= seen  # the prefix is in-distribution
+    assert all(s == [1, *p, *sec, 2] for s, p, sec in zip(new["input_ids"].to_pylist(), prefixes.tolist(),
+                                                          secrets.tolist()))
+    cand = np.array(new["candidates"].to_pylist())
+    assert cand.shape == (300, 7, 5) and set(cand.ravel().tolist()) <= set(range(3, 40)) - seen
+    assert set(new["design"].to_pylist()) == {"new_token"}
+
+    big = canaries_lib.make_canaries(canaries_lib.CanarySpec(300, 2, 6, 0, "rare_bigram", 2, 4), META, 0, "d", stats)
+    secrets, prefixes = np.array(big["secret"].to_pylist()), np.array(big["prefix"].to_pylist())
+    assert set(secrets.ravel().tolist()) <= seen and set(prefixes.ravel().tolist()) <= seen
+    chain = np.concatenate([prefixes[:, -1:], secrets], axis=1)  # the prefix's last token -> the first secret token
+    assert not stats.has_bigram(chain[:, :-1], chain[:, 1:]).any()
+    cand = np.array(big["candidates"].to_pylist())
+    cchain = np.concatenate([np.repeat(prefixes[:, -1:], 4, axis=0), cand.reshape(-1, 6)], axis=1)
+    assert not stats.has_bigram(cchain[:, :-1], cchain[:, 1:]).any()
+    # the coins do not depend on the design; the candidates do not change the canaries
+    assert big["included"].equals(new["included"])
+    again = canaries_lib.make_canaries(canaries_lib.CanarySpec(300, 2, 6, 0, "rare_bigram", 2, 0), META, 0, "d", stats)
+    assert again["secret"].equals(big["secret"]) and again["prefix"].equals(big["prefix"])
+
+
+def test_designs_that_cannot_be_built_are_refused_with_the_fix(tmp_path):
+    rows = [list(range(3, 40)) + [3]]  # every non-special token occurs
+    path = tmp_path / "all.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.int32()))}), path)
+    stats = canaries_lib.corpus_stats([path], 40)
+    with pytest.raises(ConfigError, match="canary_design new_token.*rare_bigram"):
+        canaries_lib.make_canaries(canaries_lib.CanarySpec(10, 1, 4, 0, "new_token", 2), META, 0, "d", stats)
+    with pytest.raises(ConfigError, match="canary_design"):
+        canaries_lib.CanarySpec(10, 1, 4, 0, "bogus")
+    with pytest.raises(ValueError, match="corpus"):
+        canaries_lib.make_canaries(canaries_lib.CanarySpec(10, 1, 4, 0, "rare_bigram", 2), META, 0, "d")

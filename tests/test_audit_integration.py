@@ -42,7 +42,9 @@ CONFIG = {
              "budgets": [{"compute": 1200, "steps": 30}]},
     "training": {"learning_rates": [0.01], "physical_batch_size": 32, "threads": 1, "device": "cpu"},
     "audit": {"epsilons": [CLAIM], "budget": {"compute": 1200, "steps": 30}, "canaries": 128,
-              "examples_per_canary": 4, "secret_length": 8, "guess_fractions": [0.25, 0.5]},
+              "examples_per_canary": 4, "secret_length": 8, "guess_fractions": [0.25, 0.5],
+              # the random tokens of tokens_table use nearly every token: rare_bigram is the design that fits
+              "canary_design": "rare_bigram", "prefix_length": 2, "exposure_candidates": 31},
 }
 
 
@@ -70,7 +72,8 @@ def audited(tmp_path_factory):
 
     spec = canaries_lib.CanarySpec.from_config(cfg)
     meta = canaries_lib.tokens_meta(pq.read_schema(tokens), str(tokens))
-    canaries = canaries_lib.make_canaries(spec, meta, cfg["seed"], "tiny")
+    corpus = canaries_lib.corpus_stats([tokens], int(meta["vocab_size"]))
+    canaries = canaries_lib.make_canaries(spec, meta, cfg["seed"], "tiny", corpus)
     pq.write_table(canaries, root / "canaries.parquet")
     audit_tokens = root / "audit_tokens.parquet"
     counts_info = canaries_lib.write_audit_tokens(tokens, canaries, audit_tokens)
@@ -124,22 +127,29 @@ def test_audit_outcome_references_leak_and_no_private_cell_exceeds_its_claim(aud
     for (method, eps), r in results.items():
         ledger = read_json(audited["root"] / f"run_{method}_{eps}" / "ledger.json")
         assert r["epsilon_claimed"] == (math.inf if eps == "inf" else pytest.approx(ledger["epsilon"]))
-        assert r["canaries"] == 128 and r["delta"] == 1e-6
+        assert r["canaries"] == 128 and r["delta"] == 1e-6 and r["canary_design"] == "rare_bigram"
         # the audit can show more than the private claim: a private cell leaking like a reference would fail
         assert r["epsilon_lower_bound_ceiling"] > 2 * CLAIM
         assert r["epsilon_lower_bound"] <= r["epsilon_lower_bound_ceiling"]
+        assert r["epsilon_lower_bound_fdp"] <= r["epsilon_lower_bound_fdp_ceiling"]
+        assert r["epsilon_lower_bound_fdp_ceiling"] > r["epsilon_lower_bound_ceiling"]
+        assert r["exposure_max"] == 5.0 and r["exposure_candidates"] == 31
         if eps == "inf":
             assert r["loss_auc"] > 0.8 and r["likelihood_ratio_auc"] > 0.8, r
             assert r["epsilon_lower_bound"] > 1.5 * CLAIM, r
+            assert r["epsilon_lower_bound_fdp"] >= r["epsilon_lower_bound"], r  # the tighter estimator
+            assert r["exposure_included_mean"] > r["exposure_excluded_mean"] + 1.0, r
         else:
             assert r["epsilon_claimed"] <= CLAIM * (1 + 1e-9)
             assert r["epsilon_lower_bound"] <= r["epsilon_claimed"], r
-            assert not r["bound_exceeds_claim"]
+            assert r["epsilon_lower_bound_fdp"] <= r["epsilon_claimed"], r
+            assert not r["bound_exceeds_claim"] and not r["fdp_bound_exceeds_claim"]
     scores = pq.read_table(audited["root"] / "scores_els_inf.parquet").to_pandas()
     assert list(scores.columns) == ["user_id", "included", "loss", "reference_loss", "score_loss",
-                                    "score_likelihood_ratio"]
+                                    "score_likelihood_ratio", "exposure", "extracted"]
     assert (scores["score_loss"] == -scores["loss"]).all()
     assert scores.loc[scores["included"], "loss"].mean() < scores.loc[~scores["included"], "loss"].mean()
+    assert not scores.loc[~scores["included"], "extracted"].any()  # an unseen secret is not decoded by chance
 
 
 @pytest.mark.integration

@@ -154,10 +154,20 @@ def test_audit_figure_shows_claims_bounds_and_the_diagonal(tmp_path):
     ax = fig.axes[0]
     (diag,) = [ln for ln in ax.lines if "y = x" in ln.get_label()]
     assert list(diag.get_xdata()) == list(diag.get_ydata())
-    assert any(ln.get_ydata()[0] == 2.5 and "largest bound" in ln.get_label() for ln in ax.lines)
+    assert any(ln.get_ydata()[0] == 2.5 and "largest (ε, δ) bound" in ln.get_label() for ln in ax.lines)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "∞\n(non-private)"]
     ys = sorted(float(y) for c in ax.collections for _, y in c.get_offsets())
     assert ys == [0.0, 0.2, 1.9, 2.1]
+    fig.clf()
+    # with the f-DP bound: a hollow point per cell and its own ceiling line
+    for r, f in zip(rows, (0.4, 0.1, 4.2, 4.0)):
+        r.update(epsilon_lower_bound_fdp=f, epsilon_lower_bound_fdp_ceiling=4.5)
+    fig = empirical_vs_claimed(audit.summary_rows(rows), dataset="d")
+    ax = fig.axes[0]
+    ys = sorted(float(y) for c in ax.collections for _, y in c.get_offsets())
+    assert ys == [0.0, 0.1, 0.2, 0.4, 1.9, 2.1, 4.0, 4.2]
+    assert any(ln.get_ydata()[0] == 4.5 and "f-DP" in ln.get_label() for ln in ax.lines)
+    assert ax.get_ylim()[1] > 4.5
     fig.clf()
     path = tmp_path / "summary.parquet"
     df.to_parquet(path)

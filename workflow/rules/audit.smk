@@ -19,7 +19,7 @@ _AUDIT_BUDGET, _AUDIT_STEPS = layout.audit_budget(config)
 
 rule audit_canaries:
     input:
-        tokens=layout.TOKENS,
+        unpack(lambda wildcards: audit_lib.canary_inputs(config, wildcards.dataset)),
     output:
         canaries=layout.AUDIT_CANARIES,
         tokens=layout.AUDIT_TOKENS,
@@ -52,6 +52,8 @@ rule audit_plan:
         privacy=lambda wildcards: audit_lib.plan_privacy(config, wildcards.method, wildcards.eps),
         steps=_AUDIT_STEPS,
         reference_epsilon=lambda wildcards: audit_lib.reference_epsilon(config, wildcards.method, wildcards.eps),
+        # the ceiling check before training (refuses an audit that can only report 0); it changes no plan
+        untracked=audit_lib.ceiling_params(config),
     log:
         layout.LOG_AUDIT_PLAN,
     benchmark:

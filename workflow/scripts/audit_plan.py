@@ -16,7 +16,7 @@ import userdp.io
 import userdp.logutil
 from userdp.layout import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
-from userdp.evaluation.audit_targets import grid_delta
+from userdp.evaluation.audit_targets import grid_delta, plan_time_check
 from userdp.privacy.planner import read_train_token_counts
 from userdp.privacy.selection import Selection
 
@@ -30,6 +30,13 @@ def main() -> None:
     counts = read_train_token_counts(inputs["tokens"])
     # delta is the grid's: from the dataset's train users (a public size), not the audit's smaller table
     privacy, delta_rule = grid_delta(dict(sm.params.privacy), userdp.io.read_json(inputs["contributions"]))
+    # What this audit can show at all, before anything is planned or trained: refuse an audit that can only report 0.
+    ceiling, warning = plan_time_check(sm.params.untracked["audit"], float(privacy["delta"]), dataset=w.dataset,
+                                       method=w.method, eps=w.eps)
+    if warning:
+        log.warning("%s", warning)
+    log.info("the most this audit can show at delta %.3g: %.4g ((epsilon, delta) one-run bound), %.4g (f-DP bound)",
+             ceiling["delta"], ceiling["epsilon_lower_bound_ceiling"], ceiling["epsilon_lower_bound_fdp_ceiling"])
     stats = None
     if "contributions_dp" in inputs:
         stats = NoisyHistogram.from_release(userdp.io.read_json(inputs["contributions_dp"]), inputs["contributions_dp"])

@@ -27,15 +27,16 @@ def main() -> None:
         confidence=float(sm.params.audit["confidence"]), guess_fractions=list(sm.params.audit["guess_fractions"]),
         # Untracked: they change no score beyond float rounding.
         batch_size=int(untracked["evaluation"]["batch_size"]), device=untracked["training"]["device"],
+        audit_delta=sm.params.audit["delta"],
     )
-    if result["epsilon_lower_bound_ceiling"] < 1.0:
-        log.warning("this audit cannot show an epsilon above %.3g even if every guess is right (%d canaries, "
-                    "delta %.3g, level %.3g per guess set): use more canaries (audit.canaries) or a smaller delta.",
-                    result["epsilon_lower_bound_ceiling"], result["canaries"], result["delta"],
-                    result["level_per_guess_set"])
-    log.info("%s eps=%s: claimed epsilon %.4g, empirical lower bound %.4g (%.0f%%), AUC loss %.3f / LR %.3f",
-             result["method"], result["epsilon_target"], result["epsilon_claimed"], result["epsilon_lower_bound"],
-             100 * result["confidence"], result["loss_auc"], result["likelihood_ratio_auc"])
+    log.info("%s eps=%s: claimed epsilon %.4g at delta %.3g; empirical lower bounds (%.0f%%) %.4g ((eps, delta), "
+             "ceiling %.4g) and %.4g (f-DP, ceiling %.4g); AUC loss %.3f / LR %.3f; exposure %.2f bits (excluded "
+             "%.2f); extracted %.1f%% (excluded %.1f%%)",
+             result["method"], result["epsilon_target"], result["epsilon_claimed"], result["delta"],
+             100 * result["confidence"], result["epsilon_lower_bound"], result["epsilon_lower_bound_ceiling"],
+             result["epsilon_lower_bound_fdp"], result["epsilon_lower_bound_fdp_ceiling"], result["loss_auc"],
+             result["likelihood_ratio_auc"], result["exposure_included_mean"], result["exposure_excluded_mean"],
+             100 * result["extraction_rate_included"], 100 * result["extraction_rate_excluded"])
 
 
 userdp.errors.run_main(main, log)

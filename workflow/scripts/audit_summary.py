@@ -17,8 +17,16 @@ def main() -> None:
     with atomic_path(sm.output.table) as tmp:
         tmp.write_text(audit.summary_html(df, sm.wildcards.dataset), encoding="utf-8")
     for _, r in df.iterrows():
-        log.info("%s claimed %.4g: empirical lower bound %.4g, AUC %.3f (loss) %.3f (LR)", r["method"],
-                 r["epsilon_claimed"], r["epsilon_lower_bound"], r["loss_auc"], r["likelihood_ratio_auc"])
+        log.info("%s claimed %.4g: empirical lower bounds %.4g ((eps, delta), ceiling %.4g) and %.4g (f-DP, ceiling "
+                 "%.4g), AUC %.3f (loss) %.3f (LR), exposure %.2f bits, extracted %.1f%%", r["method"],
+                 r["epsilon_claimed"], r["epsilon_lower_bound"], r["epsilon_lower_bound_ceiling"],
+                 r["epsilon_lower_bound_fdp"], r["epsilon_lower_bound_fdp_ceiling"], r["loss_auc"],
+                 r["likelihood_ratio_auc"], r["exposure_included_mean"], 100 * r["extraction_rate_included"])
+    fdp = df[df["fdp_bound_exceeds_claim"] & ~df["bound_exceeds_claim"]]
+    if len(fdp):
+        log.warning("the f-DP lower bound exceeds the claimed epsilon for %s: a contradiction if the mechanism's "
+                    "trade-off curve is Gaussian (DP-SGD's is close to it); investigate (docs/privacy.md)",
+                    ", ".join(f"{m} eps={e:g}" for m, e in zip(fdp["method"], fdp["epsilon_target"])))
     bad = df[df["bound_exceeds_claim"]]
     if len(bad):
         log.error("the empirical lower bound exceeds the claimed epsilon for %s: the mechanism or its accounting "

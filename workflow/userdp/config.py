@@ -261,11 +261,17 @@ def _check_audit(config: dict, source: str) -> None:
             raise ConfigError(f"{source}: audit.datasets names unknown dataset(s) {unknown}; defined datasets: "
                               f"{sorted(config['datasets'])}.")
     seq = int(config["tokenizer"]["sequence_length"])
-    if audit["secret_length"] is not None and int(audit["secret_length"]) + 2 > seq:
+    prefix = int(audit["prefix_length"])
+    if prefix + 3 > seq:
         raise ConfigError(
-            f"{source}: audit.secret_length is {audit['secret_length']}, but a canary example is bos + secret + "
-            f"eos and tokenizer.sequence_length is {seq}; set audit.secret_length to at most {seq - 2} (or null: "
-            "the longest that fits, up to 16)."
+            f"{source}: audit.prefix_length is {prefix}, but a canary example is bos + prefix + secret + eos (a "
+            f"secret of at least 1 token) and tokenizer.sequence_length is {seq}; set audit.prefix_length to at most "
+            f"{seq - 3}.")
+    if audit["secret_length"] is not None and int(audit["secret_length"]) + prefix + 2 > seq:
+        raise ConfigError(
+            f"{source}: audit.secret_length is {audit['secret_length']}, but a canary example is bos + prefix + "
+            f"secret + eos, audit.prefix_length is {prefix} and tokenizer.sequence_length is {seq}; set "
+            f"audit.secret_length to at most {seq - 2 - prefix} (or null: the longest that fits, up to 16)."
         )
     if audit["budget"] is not None:
         _check_budgets([audit["budget"]], "audit.budget", "the audited runs' paths (budget~K)", source)

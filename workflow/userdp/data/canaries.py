@@ -1,11 +1,28 @@
 """Canary users for the user-level membership audit (docs/privacy.md, "Auditing the released model").
 
 A canary is a synthetic user whose every example is the same distinctive
-sequence: bos + a secret of `secret_length` token ids drawn uniformly from
-the vocabulary (special tokens excluded) + eos. Random-token secrets are
-out-of-distribution for any corpus, so a model that trained on a canary
-predicts its secret better than one that did not, and the difference is the
-canary's, not its neighbours'.
+sequence: bos + a prefix of `prefix_length` tokens + a secret of
+`secret_length` tokens + eos. The prefix is the canary's key (the prompt of
+the extraction test); the secret is what the audit scores. How the secret is
+drawn is the canary design (`audit.canary_design`, after Panda et al. 2025,
+"Privacy Auditing of Large Language Models"):
+
+* `random`: token ids uniform over the vocabulary (special tokens excluded),
+  the prefix too; with `prefix_length` 0 the canary of the first audit
+  (bos + secret + eos).
+* `new_token`: token ids uniform over the tokens that never occur in the
+  corpus (`CorpusStats`: the dataset's token table, every split, and the
+  pretraining corpus): their embeddings never received a gradient from
+  real text, the closest a fixed vocabulary comes to Panda et al.'s newly
+  added tokens.
+* `rare_bigram`: tokens that do occur in the corpus, chained so that no two
+  neighbours (the last prefix token and the first secret token included)
+  ever follow each other in it: each token in-distribution, each bigram
+  unseen (Panda et al.'s model-free bigram canary, with the corpus's bigram
+  counts as the bigram model).
+
+The prefix of `new_token` and `rare_bigram` canaries is drawn from the
+tokens that occur in the corpus, so the secret is what is unusual.
 
 Each of the m canaries is included in training independently with
 probability 1/2 (the one-run audit of Steinke, Nasr and Jagielski 2023 with
@@ -39,9 +56,13 @@ from ..seeding import seed_sequence, user_hashes
 CANARY_PREFIX = "canary-"
 #: Probability that a canary is included (the one-run audit's coin).
 INCLUSION_PROBABILITY = 0.5
-CANARY_COLUMNS = ("user_id", "included", "n_examples", "input_ids", "secret")
+CANARY_COLUMNS = ("user_id", "included", "n_examples", "input_ids", "prefix", "secret", "design", "candidates")
 #: blake2b personalisation of the hash that picks the audit's subset of train users.
 AUDIT_USERS_PERSON = b"userdp.audit"
+#: audit.canary_design values.
+DESIGNS = ("random", "new_token", "rare_bigram")
+#: Draws per secret token before `rare_bigram` gives up on finding an unseen bigram.
+_BIGRAM_TRIES = 1000
 
 
 #: audit.secret_length when null and the sequence length allows it.
@@ -49,27 +70,90 @@ DEFAULT_SECRET_LENGTH = 16
 
 
 def resolved_secret_length(config: Mapping) -> int:
-    """audit.secret_length, or null's value: min(16, tokenizer.sequence_length - 2) (bos + secret + eos fit)."""
+    """audit.secret_length, or null's value: min(16, sequence_length - 2 - prefix_length) (the canary fits)."""
     value = config["audit"].get("secret_length")
     if value is not None:
         return int(value)
-    return min(DEFAULT_SECRET_LENGTH, int(config["tokenizer"]["sequence_length"]) - 2)
+    prefix = int(config["audit"].get("prefix_length") or 0)
+    return min(DEFAULT_SECRET_LENGTH, int(config["tokenizer"]["sequence_length"]) - 2 - prefix)
 
 
 @dataclass(frozen=True)
 class CanarySpec:
-    """The audit's canary settings (config keys audit.canaries, examples_per_canary, secret_length, seed)."""
+    """The audit's canary settings (config keys audit.canaries, examples_per_canary, secret_length, seed,
+    canary_design, prefix_length)."""
 
     n_canaries: int
     examples_per_canary: int
     secret_length: int
     seed: int
+    design: str = "random"
+    prefix_length: int = 0
+    candidates: int = 0
+
+    def __post_init__(self):
+        if self.design not in DESIGNS:
+            raise ConfigError(f"audit.canary_design is {self.design!r}; choose one of {list(DESIGNS)}.")
 
     @classmethod
     def from_config(cls, config: dict) -> "CanarySpec":
-        """From a validated config (userdp.config checks that bos + secret + eos fits the sequence length)."""
+        """From a validated config (userdp.config checks that the canary fits the sequence length)."""
         a = config["audit"]
-        return cls(int(a["canaries"]), int(a["examples_per_canary"]), resolved_secret_length(config), int(a["seed"]))
+        return cls(int(a["canaries"]), int(a["examples_per_canary"]), resolved_secret_length(config), int(a["seed"]),
+                   str(a.get("canary_design", "random")), int(a.get("prefix_length") or 0),
+                   int(a.get("exposure_candidates") or 0))
+
+    @property
+    def needs_corpus(self) -> bool:
+        """Whether the design (or an in-distribution prefix) reads the corpus's token statistics."""
+        return self.design != "random"
+
+
+@dataclass(frozen=True)
+class CorpusStats:
+    """Which tokens and bigrams occur in the corpus (the dataset's token table and the pretraining corpus).
+
+    `counts[t]` is the number of occurrences of token t; `bigrams` the sorted
+    unique keys a * vocab_size + b of the adjacent pairs (a, b) within a row.
+    """
+
+    counts: np.ndarray
+    bigrams: np.ndarray
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.counts.size)
+
+    def has_bigram(self, a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
+        key = np.asarray(a, np.int64) * self.vocab_size + np.asarray(b, np.int64)
+        i = np.searchsorted(self.bigrams, key)
+        return (i < self.bigrams.size) & (self.bigrams[np.minimum(i, self.bigrams.size - 1)] == key)
+
+
+def corpus_stats(paths, vocab_size: int, batch_rows: int = 1 << 16) -> CorpusStats:
+    """Token counts and the set of bigrams of the `input_ids` of every row of the token tables `paths`."""
+    counts = np.zeros(int(vocab_size), dtype=np.int64)
+    keys: list[np.ndarray] = []
+    for path in paths:
+        for batch in streaming_parquet(path).iter_batches(batch_size=batch_rows, columns=["input_ids"]):
+            col = batch.column(0)
+            if isinstance(col, pa.ChunkedArray):
+                col = col.combine_chunks()
+            offsets = np.asarray(col.offsets, dtype=np.int64)
+            offsets = offsets - offsets[0]
+            values = np.asarray(col.flatten(), dtype=np.int64)
+            if values.size == 0:
+                continue
+            if values.max() >= vocab_size or values.min() < 0:
+                raise DataError(f"{path}: token id {int(values.max())} outside the vocabulary of {vocab_size}; "
+                                "rebuild it with the data stage (rule tokenize).")
+            counts += np.bincount(values, minlength=vocab_size)
+            pair = np.ones(values.size - 1, dtype=bool)
+            starts = offsets[1:-1]  # a row's first token does not follow the previous row's last one
+            pair[starts[(starts > 0) & (starts < values.size)] - 1] = False
+            keys.append(np.unique(values[:-1][pair] * vocab_size + values[1:][pair]))
+            keys = [np.unique(np.concatenate(keys))]
+    return CorpusStats(counts, keys[0] if keys else np.zeros(0, np.int64))
 
 
 def tokens_meta(schema: pa.Schema, where: str) -> dict:
@@ -89,30 +173,109 @@ def canary_ids(n: int) -> list[str]:
     return [f"{CANARY_PREFIX}{i:05d}" for i in range(n)]
 
 
-def make_canaries(spec: CanarySpec, meta: dict, config_seed: int, dataset: str) -> pa.Table:
-    """The canary table: one row per canary (CANARY_COLUMNS), coins and secrets from the audit's seed.
-
-    `input_ids` is the canary's example (bos + secret + eos), which each of
-    its `n_examples` training examples repeats.
-    """
-    if spec.n_canaries < 2:
-        raise ConfigError(f"audit.canaries is {spec.n_canaries}; the audit needs at least 2 canaries.")
+def _pools(spec: CanarySpec, meta: dict, corpus: CorpusStats | None) -> tuple[np.ndarray, np.ndarray]:
+    """(prefix pool, secret pool) of the design: token ids the prefix and the secret are drawn from."""
     special = {int(meta[k]) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if meta.get(k) is not None}
-    allowed = np.array([t for t in range(int(meta["vocab_size"])) if t not in special], dtype=np.int32)
+    allowed = np.array([t for t in range(int(meta["vocab_size"])) if t not in special], dtype=np.int64)
     if allowed.size < 2:
         raise DataError(f"the tokenizer has {int(meta['vocab_size'])} tokens; canary secrets need at least 2 "
                         "non-special ones.")
+    if spec.design == "random":
+        return allowed, allowed
+    if corpus is None:
+        raise ValueError(f"canary design {spec.design!r} needs the corpus's token statistics (corpus_stats)")
+    if corpus.vocab_size < int(meta["vocab_size"]):
+        raise DataError(f"the corpus statistics cover {corpus.vocab_size} tokens, the tokenizer has "
+                        f"{int(meta['vocab_size'])}; rebuild the data stage.")
+    seen = allowed[corpus.counts[allowed] > 0]
+    unseen = allowed[corpus.counts[allowed] == 0]
+    if seen.size < 2:
+        raise DataError("fewer than 2 non-special tokens occur in the corpus; the corpus is empty or broken.")
+    if spec.design == "new_token":
+        if unseen.size < 2:
+            raise ConfigError(
+                f"audit.canary_design new_token needs tokens that never occur in the corpus, and only {unseen.size} "
+                f"of the {allowed.size} non-special tokens do not: use audit.canary_design rare_bigram (or random).")
+        return seen, unseen
+    return seen, seen
+
+
+def _rare_bigram_secrets(rng: np.random.Generator, pool: np.ndarray, first_prev: np.ndarray, length: int,
+                         corpus: CorpusStats) -> np.ndarray:
+    """Secrets of `length` tokens from `pool`, each token forming an unseen bigram with the one before it.
+
+    The first token's predecessor is `first_prev` (the prefix's last token,
+    or -1 for none). Each position is drawn uniformly among the pool tokens
+    that make an unseen bigram, by rejection sampling.
+    """
+    n = first_prev.size
+    out = np.zeros((n, length), dtype=np.int64)
+    prev = first_prev.copy()
+    for j in range(length):
+        tok = pool[rng.integers(0, pool.size, size=n)]
+        todo = (prev >= 0) & corpus.has_bigram(np.maximum(prev, 0), tok)
+        tries = 0
+        while todo.any():
+            tries += 1
+            if tries > _BIGRAM_TRIES:
+                raise DataError(f"no unseen bigram after {_BIGRAM_TRIES} draws: the corpus uses almost every pair of "
+                                "its tokens; use audit.canary_design new_token or random.")
+            tok[todo] = pool[rng.integers(0, pool.size, size=int(todo.sum()))]
+            todo = todo & corpus.has_bigram(np.maximum(prev, 0), tok)
+        out[:, j] = tok
+        prev = tok
+    return out
+
+
+def draw_secrets(spec: CanarySpec, meta: dict, rng: np.random.Generator, prefixes: np.ndarray,
+                 corpus: CorpusStats | None = None) -> np.ndarray:
+    """Secrets of the design for canaries with these prefixes (one row each): the canaries' own, or the
+    candidates that their exposure ranks them against (userdp.evaluation.audit)."""
+    _, secret_pool = _pools(spec, meta, corpus)
+    n = prefixes.shape[0]
+    if spec.design == "rare_bigram":
+        first_prev = prefixes[:, -1].astype(np.int64) if prefixes.shape[1] else np.full(n, -1, np.int64)
+        return _rare_bigram_secrets(rng, secret_pool, first_prev, spec.secret_length, corpus)
+    return secret_pool[rng.integers(0, secret_pool.size, size=(n, spec.secret_length))]
+
+
+def make_canaries(spec: CanarySpec, meta: dict, config_seed: int, dataset: str,
+                  corpus: CorpusStats | None = None) -> pa.Table:
+    """The canary table: one row per canary (CANARY_COLUMNS), coins, prefixes and secrets from the audit's seed.
+
+    `input_ids` is the canary's example (bos + prefix + secret + eos), which
+    each of its `n_examples` training examples repeats; `candidates` are
+    `spec.candidates` other secrets of the design for the same prefix (the
+    exposure's reference set). `corpus` (which
+    tokens and bigrams occur) is needed by every design but `random`.
+    """
+    if spec.n_canaries < 2:
+        raise ConfigError(f"audit.canaries is {spec.n_canaries}; the audit needs at least 2 canaries.")
+    prefix_pool, _ = _pools(spec, meta, corpus)
     rng = np.random.default_rng(seed_sequence(int(config_seed), dataset, spec.seed, "audit-canaries"))
     included = rng.random(spec.n_canaries) < INCLUSION_PROBABILITY
-    secrets = allowed[rng.integers(0, allowed.size, size=(spec.n_canaries, spec.secret_length))]
+    if spec.design == "random" and spec.prefix_length == 0:  # the first audit's canaries, draw for draw
+        prefixes = np.zeros((spec.n_canaries, 0), dtype=np.int64)
+        secrets = draw_secrets(spec, meta, rng, prefixes, corpus)
+    else:
+        prefixes = prefix_pool[rng.integers(0, prefix_pool.size, size=(spec.n_canaries, spec.prefix_length))]
+        secrets = draw_secrets(spec, meta, rng, prefixes, corpus)
+    # The candidates the exposure ranks each secret among: the same design's secrets for the same prefix, from
+    # their own stream (the canaries do not depend on how many candidates there are).
+    crng = np.random.default_rng(seed_sequence(int(config_seed), dataset, spec.seed, "audit-candidates"))
+    cand = draw_secrets(spec, meta, crng, np.repeat(prefixes, spec.candidates, axis=0), corpus)
+    cand = cand.reshape(spec.n_canaries, spec.candidates, spec.secret_length)
     bos, eos = int(meta["bos_token_id"]), int(meta["eos_token_id"])
-    seqs = [[bos, *s.tolist(), eos] for s in secrets]
+    seqs = [[bos, *p, *s, eos] for p, s in zip(prefixes.tolist(), secrets.tolist())]
     return pa.table({
         "user_id": pa.array(canary_ids(spec.n_canaries), pa.string()),
         "included": pa.array(included, pa.bool_()),
         "n_examples": pa.array([spec.examples_per_canary] * spec.n_canaries, pa.int64()),
         "input_ids": pa.array(seqs, pa.list_(pa.int32())),
+        "prefix": pa.array(prefixes.tolist(), pa.list_(pa.int32())),
         "secret": pa.array(secrets.tolist(), pa.list_(pa.int32())),
+        "design": pa.array([spec.design] * spec.n_canaries, pa.string()),
+        "candidates": pa.array(cand.tolist(), pa.list_(pa.list_(pa.int32()))),
     })
 
 

@@ -388,11 +388,14 @@ def accounting_findings(comparison: pd.DataFrame) -> list[Finding]:
 
 # ------------------------------------------------------------------ the table
 def build(summaries, pretrained, diversity, sweep_point, me_results, comparison, loss_tolerance: float,
-          relative_tolerance: float, name: str) -> dict:
+          relative_tolerance: float, name: str, audit: list[Finding] | None = None) -> dict:
+    """The findings table; `audit`: the audit's findings (audit_findings, or the not-measured row), after the
+    study's claims."""
     findings = lm_findings(summaries, pretrained, diversity, sweep_point, loss_tolerance)
     findings += accounting_findings(comparison) if comparison is not None else []
     findings += me_findings(me_results, relative_tolerance) if me_results is not None else []
     findings.sort(key=lambda f: (f.claim_id, f.domain != LM))
+    findings += list(audit or [])
     counts = {v: sum(f.verdict == v for f in findings) for v in VERDICTS}
     return {
         "study": name,
@@ -414,3 +417,80 @@ TABLE_COLUMNS = ["claim_id", "domain", "claim", "verdict", "effect", "ci_low", "
 def table(findings: Mapping) -> pd.DataFrame:
     """The findings as a table (one row per claim and domain), for the report's CSV."""
     return pd.DataFrame(findings["findings"], columns=TABLE_COLUMNS)
+
+
+# ------------------------------------------------------------------ the privacy audit (ELS vs ULS leakage)
+AUDIT = "privacy audit"
+#: claim id -> claim of the black-box audit (its own block: the study's claims are CLAIMS).
+AUDIT_CLAIMS = {9: "at equal claimed epsilon, ELS leaks more than ULS in practice (black-box canary audit)"}
+#: The membership score the audit claim is measured with (userdp.evaluation.audit.SCORES): the loss on the
+#: canary's secret, the stronger score on every audited cell measured with new_token canaries (the
+#: likelihood ratio stays at AUC 1/2 in every private cell up to epsilon 256: docs/findings.md, claim 9).
+AUDIT_SCORE = "loss"
+AUDIT_BOOTSTRAP = 2000
+
+
+def _paired_auc_difference(els: pd.DataFrame, uls: pd.DataFrame, score: str) -> tuple[np.ndarray, np.ndarray,
+                                                                                        np.ndarray]:
+    """(ELS scores, ULS scores, coins) of the same canaries, matched by user_id (both runs score every canary)."""
+    m = els[["user_id", "included", score]].merge(uls[["user_id", "included", score]], on="user_id",
+                                                  suffixes=("_els", "_uls"))
+    if len(m) != len(els) or len(m) != len(uls) or not (m["included_els"] == m["included_uls"]).all():
+        raise ValueError("the ELS and ULS audits scored different canaries (rebuild the audit)")
+    return m[f"{score}_els"].to_numpy(float), m[f"{score}_uls"].to_numpy(float), m["included_els"].to_numpy(bool)
+
+
+def _auc_rows(scores: np.ndarray, included: np.ndarray) -> np.ndarray:
+    """ROC AUC of each row of `scores` (rows: bootstrap resamples of the canaries), ties counting 1/2."""
+    from scipy.stats import rankdata
+
+    ranks = rankdata(scores, axis=1)
+    n_in = included.sum(axis=1)
+    n_out = included.shape[1] - n_in
+    return ((ranks * included).sum(axis=1) - n_in * (n_in + 1) / 2) / (n_in * n_out)
+
+
+def audit_findings(results: Sequence[Mapping], scores: Mapping[tuple[str, str, str], pd.DataFrame],
+                   seed: int = 0) -> list[Finding]:
+    """Claim 9: ELS - ULS ROC AUC (AUDIT_SCORE, the loss) at each finite audited epsilon, mean over epsilons and
+    datasets.
+
+    `results`: the audit results (userdp.evaluation.audit, one per audited
+    cell); `scores`: (dataset, method, epsilon target) -> that cell's
+    per-canary scores. ELS and ULS of a dataset score the same canaries with
+    the same coins, so the 95% interval is a paired percentile bootstrap
+    over canaries (AUDIT_BOOTSTRAP resamples): it covers which canaries were
+    drawn, not the training run's own randomness (one audited run per cell).
+    """
+    key = f"score_{AUDIT_SCORE}"
+    cells = {(r["dataset"], r["method"], float(r["epsilon_target"])): r for r in results}
+    pairs = sorted({(d, e) for d, m, e in cells if math.isfinite(e) and (d, "els", e) in cells
+                    and (d, "uls", e) in cells})
+    if not pairs:
+        return [Finding(9, AUDIT, AUDIT_CLAIMS[9], None, None, None, ">", 0.0, NOT_MEASURED, "", "",
+                        "audit_epsilon", "no dataset has audited ELS and ULS cells at the same target epsilon")]
+    rng = np.random.default_rng(seed)
+    point, boot, parts = 0.0, np.zeros(AUDIT_BOOTSTRAP), []
+    for d, e in pairs:
+        s_els, s_uls, inc = _paired_auc_difference(scores[(d, "els", _fmt(e))], scores[(d, "uls", _fmt(e))], key)
+        diff = _auc_rows(s_els[None], inc[None])[0] - _auc_rows(s_uls[None], inc[None])[0]
+        idx = rng.integers(0, inc.size, size=(AUDIT_BOOTSTRAP, inc.size))
+        with np.errstate(invalid="ignore", divide="ignore"):  # a resample with one class only has no AUC (nan)
+            boot += (_auc_rows(s_els[idx], inc[idx]) - _auc_rows(s_uls[idx], inc[idx])) / len(pairs)
+        point += diff / len(pairs)
+        ce, cu = cells[(d, "els", e)], cells[(d, "uls", e)]
+        parts.append(f"{d} eps {_fmt(e)} (claimed ELS {float(ce['epsilon_claimed']):.3g}, ULS "
+                     f"{float(cu['epsilon_claimed']):.3g}): AUC ELS {ce[f'{AUDIT_SCORE}_auc']:.3f} vs ULS "
+                     f"{cu[f'{AUDIT_SCORE}_auc']:.3f} (likelihood ratio: "
+                     f"{ce.get('likelihood_ratio_auc', math.nan):.3f} vs {cu.get('likelihood_ratio_auc', math.nan):.3f}), "
+                     f"bounds ELS {float(ce['epsilon_lower_bound']):.3g}/"
+                     f"{float(ce.get('epsilon_lower_bound_fdp') or 0):.3g} vs ULS "
+                     f"{float(cu['epsilon_lower_bound']):.3g}/"
+                     f"{float(cu.get('epsilon_lower_bound_fdp') or 0):.3g} ((eps, delta)/f-DP)")
+    lo, hi = (float(q) for q in np.nanquantile(boot, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]))
+    design = ", ".join(sorted({str(cells[(d, m, e)].get("canary_design")) for d, e in pairs for m in ("els", "uls")}))
+    return [Finding(9, AUDIT, AUDIT_CLAIMS[9], point, lo, hi, ">", 0.0, verdict(lo, hi, ">", 0.0),
+                    f"ROC AUC difference ({AUDIT_SCORE.replace('_', '-')} score)",
+                    f"{len(pairs)} (dataset, epsilon) pair(s), {design} canaries", "audit_epsilon",
+                    detail="effect = ELS - ULS AUC, mean over pairs; interval: paired bootstrap over canaries "
+                           "(one run per cell: training noise not covered); " + "; ".join(parts))]

@@ -23,12 +23,17 @@ def inputs(config: Mapping) -> dict[str, list[str] | str]:
     """The findings rule's inputs: each grid dataset's summary and pretrained metrics, the accounting comparison
     and the mean-estimation results."""
     datasets = layout.grid_datasets(config)
-    return {
+    ins = {
         "summaries": [layout.SUMMARY.format(dataset=d) for d in datasets],
         "pretrained": [layout.PRETRAINED_METRICS.format(dataset=d) for d in datasets],
         "comparison": layout.ACCOUNTING_COMPARISON,
         "mean_estimation": layout.MEAN_ESTIMATION_RESULTS,
     }
+    if config["findings"]["audit"]:  # claim 9 reads the audit: the findings rule then runs it
+        wild = [layout.audit_wildcards(c, config) for c in layout.audit_cells(config)]
+        ins["audit_results"] = [layout.AUDIT_RESULT.format(**w) for w in wild]
+        ins["audit_scores"] = [layout.AUDIT_SCORES.format(**w) for w in wild]
+    return ins
 
 
 def targets(config: Mapping) -> list[str]:
@@ -42,12 +47,28 @@ def params(config: Mapping) -> dict:
     and where the G sweep runs (layout.group_sweep_point)."""
     datasets = layout.grid_datasets(config)
     return {"settings": config["findings"], "datasets": datasets,
+            "audit_cells": [[c.dataset, c.method, layout.fmt_num(c.epsilon)] for c in layout.audit_cells(config)]
+            if config["findings"]["audit"] else [],
             "diversities": {d: diversity_of(config, d) for d in datasets},
             "group_sweep_point": layout.group_sweep_point(config)}
 
 
+def audit_rows(params: Mapping, audit_results: Sequence[str], audit_scores: Sequence[str]) -> list:
+    """Claim 9 from the audit's result and score files (in the order of params["audit_cells"]), or its
+    not-measured row when the study leaves the audit out (findings.audit: false)."""
+    if not params["settings"].get("audit"):
+        return [findings.Finding(9, findings.AUDIT, findings.AUDIT_CLAIMS[9], None, None, None, ">", 0.0,
+                                 findings.NOT_MEASURED, "", "", "audit_epsilon",
+                                 "findings.audit is false: set it to true to run the audit (snakemake audit) "
+                                 "for the findings")]
+    cells = [tuple(c) for c in params["audit_cells"]]
+    scores = {cell: read_frame(p) for cell, p in zip(cells, audit_scores)}
+    return findings.audit_findings([read_json(p) for p in audit_results], scores)
+
+
 def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], comparison: str,
-        mean_estimation: str, out_json: str, out_csv: str) -> dict:
+        mean_estimation: str, out_json: str, out_csv: str, audit_results: Sequence[str] = (),
+        audit_scores: Sequence[str] = ()) -> dict:
     """The findings table from the finished tables; `params` as `params(config)` gives them."""
     datasets = list(params["datasets"])
     tables = {d: read_frame(p) for d, p in zip(datasets, summaries)}
@@ -60,6 +81,7 @@ def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], co
         tables, pre, dict(params["diversities"]), dict(params["group_sweep_point"]),
         read_frame(mean_estimation), read_frame(comparison),
         float(spec["loss_tolerance"]), float(spec["relative_tolerance"]), spec["name"],
+        audit=audit_rows(params, audit_results, audit_scores),
     )
     write_json(out_json, result)
     write_csv(out_csv, findings.table(result))

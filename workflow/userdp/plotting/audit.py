@@ -1,6 +1,8 @@
 """The membership-audit figure: empirical user-level epsilon lower bound vs claimed epsilon.
 
-Reads only the audit summary (userdp.evaluation.audit.summary_rows). Points
+Reads only the audit summary (userdp.evaluation.audit.summary_rows): for each
+cell the (epsilon, delta) one-run bound (filled) and, where the summary has
+it, the Gaussian f-DP bound (hollow), with both ceilings. Points
 on or below the y = x line agree with the claims; a private cell above it
 would contradict its guarantee. The non-private references (claimed
 epsilon = inf) sit at the right edge, on their own tick.
@@ -19,7 +21,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from .lm import SHORT, _method_order, _style  # noqa: E402
 
-EMPIRICAL_LABEL = "empirical user-level ε lower bound (95% confidence)"
+EMPIRICAL_LABEL = "user-level ε lower bound, 95% (filled: (ε, δ); hollow: f-DP)"
 CLAIMED_LABEL = "claimed ε of the audited run (ledger)"
 
 
@@ -28,7 +30,9 @@ def empirical_vs_claimed(summary: pd.DataFrame, dataset: str | None = None) -> F
     df = summary.copy()
     claimed = df["epsilon_claimed"].astype(float).to_numpy()
     finite = claimed[np.isfinite(claimed)]
-    top = max([1.0, *finite.tolist(), *df["epsilon_lower_bound"].astype(float).tolist()])
+    shown = [df[c].astype(float) for c in ("epsilon_lower_bound", "epsilon_lower_bound_fdp",
+                                            "epsilon_lower_bound_fdp_ceiling") if c in df]
+    top = max([1.0, *finite.tolist(), *[float(v) for col in shown for v in col if np.isfinite(v)]])
     inf_x = top * 1.35  # where the non-private references are drawn
     fig, ax = plt.subplots(figsize=(6.4, 5.0))
     ax.plot([0, top * 1.1], [0, top * 1.1], color="0.4", linestyle=":", linewidth=1.2,
@@ -48,17 +52,28 @@ def empirical_vs_claimed(summary: pd.DataFrame, dataset: str | None = None) -> F
         for xi, yi in zip(x, y):
             ax.annotate(f"{yi:.2f}", (xi, yi), textcoords="offset points", xytext=(-28 if i == 0 else 6, 4), fontsize=8,
                         color=st["color"])
-    ceilings = df["epsilon_lower_bound_ceiling"].astype(float) if "epsilon_lower_bound_ceiling" in df else []
-    if len(ceilings) and np.isfinite(ceilings).any():
-        ceiling = float(np.nanmax(ceilings))
-        ax.axhline(ceiling, color="0.6", linestyle="--", linewidth=1,
-                   label=f"largest bound these canaries can show ({ceiling:.2f})")
+        # the Gaussian f-DP bound of the same guesses, hollow, where the summary has it
+        fdp = sub["epsilon_lower_bound_fdp"].astype(float).to_numpy() if "epsilon_lower_bound_fdp" in sub else []
+        if len(fdp) and np.isfinite(fdp).any():
+            ax.scatter(x, fdp, facecolors="none", edgecolors=st["color"], marker=st["marker"], s=80, zorder=3,
+                       linewidths=1.5, label=f"{SHORT.get(method, method)}, f-DP bound (Gaussian trade-off)")
+            for xi, yi in zip(x, fdp):
+                if np.isfinite(yi):
+                    ax.annotate(f"{yi:.2f}", (xi, yi), textcoords="offset points", xytext=(-28 if i == 0 else 6, -11),
+                                fontsize=8, color=st["color"], style="italic")
+    for col, style, what in (("epsilon_lower_bound_ceiling", "--", "(ε, δ) bound"),
+                             ("epsilon_lower_bound_fdp_ceiling", "-.", "f-DP bound")):
+        ceilings = df[col].astype(float) if col in df else pd.Series([], dtype=float)
+        if len(ceilings) and np.isfinite(ceilings).any():
+            ceiling = float(np.nanmax(ceilings))
+            ax.axhline(ceiling, color="0.6", linestyle=style, linewidth=1,
+                       label=f"largest {what} these canaries can show ({ceiling:.2f})")
     ticks = sorted({float(f"{t:.3g}") for t in finite.tolist()})
     has_inf = bool(np.isinf(claimed).any())
     ax.set_xticks(ticks + ([inf_x] if has_inf else []))
     ax.set_xticklabels([f"{t:g}" for t in ticks] + (["∞\n(non-private)"] if has_inf else []))
     ax.set_xlim(0, inf_x * 1.12 if has_inf else top * 1.15)
-    ax.set_ylim(0, max(top * 1.15, float(np.nanmax(df["epsilon_lower_bound"].astype(float))) * 1.2 + 0.1))
+    ax.set_ylim(0, top * 1.15 + 0.1)
     ax.set_xlabel(CLAIMED_LABEL)
     ax.set_ylabel(EMPIRICAL_LABEL)
     ax.grid(True, alpha=0.3)
