@@ -8,6 +8,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test
 from userdp import layout
 from userdp.config import validate_config
 from userdp.privacy import memo
+from userdp.data.labels import has_labels
 from userdp.errors import ConfigError
 from snakemake.exceptions import WorkflowError
 
@@ -50,6 +51,8 @@ def data_targets():
         out.append(layout.CONTRIBUTIONS.format(dataset=name))
     for name in layout.grid_datasets(config):
         out.append(layout.TOKENS.format(dataset=name))
+        if has_labels(config["datasets"][name]):
+            out.append(layout.USER_LABELS.format(dataset=name))
     return out
 
 

@@ -10,7 +10,7 @@ log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
 def main() -> None:
     sm = snakemake  # noqa: F821
     result = run(dict(sm.params.items()), list(sm.input.summaries), list(sm.input.pretrained), sm.input.comparison,
-                 sm.input.mean_estimation, sm.output.json, sm.output.csv)
+                 sm.input.mean_estimation, sm.output.json, sm.output.csv, users=list(sm.input.users))
     log.info("%s: %s", sm.output.json, ", ".join(f"{v} {k}" for k, v in result["counts"].items()))
 
 

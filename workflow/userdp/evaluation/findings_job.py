@@ -28,6 +28,7 @@ def inputs(config: Mapping) -> dict[str, list[str] | str]:
         "pretrained": [layout.PRETRAINED_METRICS.format(dataset=d) for d in datasets],
         "comparison": layout.ACCOUNTING_COMPARISON,
         "mean_estimation": layout.MEAN_ESTIMATION_RESULTS,
+        "users": [layout.SUMMARY_USERS.format(dataset=d) for d in datasets],  # claims 11-14 (user groups)
     }
 
 
@@ -43,12 +44,15 @@ def params(config: Mapping) -> dict:
     datasets = layout.grid_datasets(config)
     return {"settings": config["findings"], "datasets": datasets,
             "diversities": {d: diversity_of(config, d) for d in datasets},
-            "group_sweep_point": layout.group_sweep_point(config)}
+            "group_sweep_point": layout.group_sweep_point(config),
+            # claims 11-14: the groups section (as rule groups reads it) and the seed of the bootstrap draws
+            "groups": {k: v for k, v in config["groups"].items() if k != "per_user_points"}, "seed": config["seed"]}
 
 
 def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], comparison: str,
-        mean_estimation: str, out_json: str, out_csv: str) -> dict:
-    """The findings table from the finished tables; `params` as `params(config)` gives them."""
+        mean_estimation: str, out_json: str, out_csv: str, users: Sequence[str] | None = None) -> dict:
+    """The findings table from the finished tables; `params` as `params(config)` gives them; `users`: each
+    dataset's per-user table (claims 11-14; None leaves them out)."""
     datasets = list(params["datasets"])
     tables = {d: read_frame(p) for d, p in zip(datasets, summaries)}
     pre = {}
@@ -60,6 +64,8 @@ def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], co
         tables, pre, dict(params["diversities"]), dict(params["group_sweep_point"]),
         read_frame(mean_estimation), read_frame(comparison),
         float(spec["loss_tolerance"]), float(spec["relative_tolerance"]), spec["name"],
+        groups=None if users is None else ({d: read_frame(p) for d, p in zip(datasets, users)},
+                                           params["groups"], int(params["seed"])),
     )
     write_json(out_json, result)
     write_csv(out_csv, findings.table(result))
