@@ -365,7 +365,7 @@ class LocalSource:
         parts = []
         for batch in view.iter_batches(batch_rows):
             users, labels = batch.column(0), batch.column(1)
-            missing = pc.or_(pc.is_null(labels), pc.equal(labels, ""))
+            missing = pc.or_kleene(pc.is_null(labels), pc.equal(labels, ""))
             if pc.any(missing).as_py():
                 i = pc.index(missing, True).as_py()
                 raise self._err(
