@@ -8,7 +8,6 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test
 from userdp import layout
 from userdp.config import validate_config
 from userdp.privacy import memo
-from userdp.data.labels import has_labels
 from userdp.errors import ConfigError
 from snakemake.exceptions import WorkflowError
 
@@ -46,6 +45,8 @@ wildcard_constraints:
 
 
 def data_targets():
+    from userdp.data.labels import has_labels
+
     out = []
     for name in config["datasets"]:
         out.append(layout.CONTRIBUTIONS.format(dataset=name))
