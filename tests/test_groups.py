@@ -303,3 +303,50 @@ def test_a_missing_label_or_group_column_is_refused(tmp_path):
     src = LocalSource("loc", {"source": "local", "path": str(path), "group_column": "lang"}, tmp_path)
     with pytest.raises(DataError, match="lang"):
         src.user_labels()
+
+
+# ------------------------------------------------------------------ figures
+def test_group_figures_draw_from_small_tables(tmp_path):
+    from userdp.plotting import registry
+
+    users = _claims_table()
+    table = groups.group_table(groups.CostModel(users, SETTINGS, "d"), "d")
+    summary = pd.DataFrame({"method": ["els"], "epsilon": [1.0], "is_group_sweep": [False], "group_size": [8],
+                            "seeds_mode": ["derived"]})
+    paths = {"groups": tmp_path / "groups.parquet", "users": tmp_path / "users.parquet",
+             "summary": tmp_path / "summary.parquet"}
+    write_parquet(paths["groups"], table)
+    write_parquet(paths["users"], users)
+    write_parquet(paths["summary"], summary)
+    registry.FIGURES["groups_cost"].draw({"groups": str(paths["groups"]), "summary": str(paths["summary"])},
+                                         tmp_path / "c.png", tmp_path / "c.pdf", dataset="d")
+    registry.FIGURES["groups_gap_vs_examples"].draw({"users": str(paths["users"]), "summary": str(paths["summary"])},
+                                                    tmp_path / "g.png", tmp_path / "g.pdf", dataset="d",
+                                                    points={"d": True})
+    for name in ("c.png", "c.pdf", "g.png", "g.pdf"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_cost_figure_shows_each_group_and_method_with_its_interval():
+    from userdp.plotting.groups import cost_by_group, gap_vs_examples
+
+    users = _claims_table()
+    table = groups.group_table(groups.CostModel(users, SETTINGS, "d"), "d")
+    summary = pd.DataFrame({"method": ["els"], "epsilon": [1.0]})
+    fig = cost_by_group(table, summary, "d")
+    axes = [ax for ax in fig.axes if ax.get_visible() and ax.patches]
+    assert len(axes) == 2 * 2  # kinds contribution, topic x epsilons 1, 8
+    topic_eps1 = next(ax for ax in axes if ax.get_title().startswith("topic") and "ε = 1" in ax.get_title())
+    heights = sorted(round(p.get_height(), 2) for p in topic_eps1.patches)
+    want = table[(table.measure == "cost") & (table.group_kind == "topic") & (table.epsilon == 1.0)]["cost"]
+    assert np.allclose(heights, sorted(want.round(2)), atol=0.011)  # ELS rare 0.5 + 0.3 x 12/20 heavy users
+    assert np.allclose(sorted(want), [0.2, 0.25, 0.28, 0.68], atol=0.03)
+    assert "nats/token" in topic_eps1.get_ylabel() or "nats/token" in axes[0].get_ylabel()
+    assert any("rare" in t.get_text() for t in topic_eps1.get_xticklabels())
+    withheld = gap_vs_examples(users, summary, "d", points={"d": False})
+    assert not any(ax.collections for ax in withheld.axes)  # no per-user points
+    shown = gap_vs_examples(users, summary, "d", points={"d": True})
+    assert sum(len(c.get_offsets()) for ax in shown.axes for c in ax.collections) == 40 * 2 * 2
+    import matplotlib.pyplot as plt
+
+    plt.close("all")

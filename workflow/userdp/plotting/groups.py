@@ -13,6 +13,7 @@ said in a footnote from the summary).
 
 from __future__ import annotations
 
+import textwrap
 from typing import Mapping
 
 import matplotlib
@@ -69,7 +70,8 @@ def cost_by_group(groups: pd.DataFrame, summary: pd.DataFrame, dataset: str) -> 
                        color=METHODS[m]["color"], alpha=0.85, label=METHODS[m]["label"])
             ax.axhline(0, color="0.3", linewidth=0.8)
             ax.set_xticks(x)
-            ax.set_xticklabels([f"{g}\n(n = {n})" for g, n in zip(names["group"], names["n_users"])], fontsize=8)
+            ax.set_xticklabels([f"{textwrap.fill(str(g), 12)}\n(n = {n})" for g, n in zip(names["group"], names["n_users"])],
+                               fontsize=8)
             ax.set_title(f"{KIND_TITLES.get(kind, kind)}, {_eps_label(float(e))}", fontsize=10)
             ax.grid(True, axis="y", alpha=0.3)
             if c == 0:
