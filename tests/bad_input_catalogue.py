@@ -525,30 +525,28 @@ def prepare_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
     return script("prepare_data.py", make, {"datasets": {name: spec}, "tokenizer": {"batch_rows": 4}})
 
 
-def labels_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
-    """Start-up validation, then rule user_labels' script (each user's group label)."""
+def _dataset_job(script_name: str, output: dict[str, str], spec: dict, name: str, config: dict) -> Callable[[Path], Outcome]:
+    """Start-up validation, then a data rule's script whose params are the dataset's spec and the seed."""
 
     def make(folder: Path, cfg: dict) -> dict:
         return {"input": {"download": f"data/{name}/download.json"},
-                "output": {"labels": f"results/data/{name}/user_labels.parquet"},
+                "output": {k: v.format(name=name) for k, v in output.items()},
                 "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"],
                            "untracked": untracked(cfg, "tokenizer.batch_rows")},
                 "wildcards": {"dataset": name}}
 
-    return script("user_labels.py", make, {"datasets": {name: spec}, "tokenizer": {"batch_rows": 4}})
+    return script(script_name, make, {"datasets": {name: spec}, **config})
+
+
+def labels_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
+    """Start-up validation, then rule user_labels' script (each user's group label)."""
+    return _dataset_job("user_labels.py", {"labels": "results/data/{name}/user_labels.parquet"}, spec, name,
+                        {"tokenizer": {"batch_rows": 4}})
 
 
 def public_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
     """Start-up validation, then rule prepare_public's script (the dataset's public corpus)."""
-
-    def make(folder: Path, cfg: dict) -> dict:
-        return {"input": {"download": f"data/{name}/download.json"},
-                "output": {"public": f"results/data/{name}/public.parquet"},
-                "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"],
-                           "untracked": untracked(cfg, "tokenizer.batch_rows")},
-                "wildcards": {"dataset": name}}
-
-    return script("prepare_public.py", make, {"datasets": {name: spec}})
+    return _dataset_job("prepare_public.py", {"public": "results/data/{name}/public.parquet"}, spec, name, {})
 
 
 def data_case(id: str, what: str, spec: dict, setup: Callable[[Path], None] | None, message: str, *,

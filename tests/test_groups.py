@@ -267,13 +267,19 @@ def _write(path, rows, fmt):
         write_parquet(path, pd.DataFrame(rows))
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
-def test_local_group_column_gives_each_users_label(tmp_path, fmt):
+def _labelled(tmp_path, fmt: str, second_b_region: str | None):
+    """A local file of users a, b (b's second row in `second_b_region`, None: a's second row) and its source."""
     rows = [{"user_id": "a", "text": "x y", "region": "north"}, {"user_id": "b", "text": "z", "region": "south"},
-            {"user_id": "a", "text": "w", "region": "north"}]
+            {"user_id": "a", "text": "w", "region": "north"} if second_b_region is None
+            else {"user_id": "b", "text": "w", "region": second_b_region}]
     path = tmp_path / f"d.{fmt}"
     _write(path, rows, fmt)
-    src = LocalSource("loc", {"source": "local", "path": str(path), "group_column": "region"}, tmp_path)
+    return path, LocalSource("loc", {"source": "local", "path": str(path), "group_column": "region"}, tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_local_group_column_gives_each_users_label(tmp_path, fmt):
+    path, src = _labelled(tmp_path, fmt, None)
     t = src.user_labels()
     assert t.column("user_id").to_pylist() == ["a", "b"]
     assert t.column("label").to_pylist() == ["north", "south"]
@@ -283,11 +289,7 @@ def test_local_group_column_gives_each_users_label(tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
 def test_a_group_column_varying_within_a_user_is_refused_naming_user_and_file(tmp_path, fmt):
-    rows = [{"user_id": "a", "text": "x", "region": "north"}, {"user_id": "b", "text": "z", "region": "south"},
-            {"user_id": "b", "text": "w", "region": "east"}]
-    path = tmp_path / f"d.{fmt}"
-    _write(path, rows, fmt)
-    src = LocalSource("loc", {"source": "local", "path": str(path), "group_column": "region"}, tmp_path)
+    path, src = _labelled(tmp_path, fmt, "east")
     with pytest.raises(DataError) as err:
         src.user_labels()
     msg = str(err.value)
