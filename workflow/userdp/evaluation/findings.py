@@ -20,6 +20,12 @@ ULS - ELS (negative = ULS better). Mean estimation: differences of mean
 log squared error (log(ULS error / ELS error); -0.1 = ULS about 10% lower).
 Deterministic effects (the accounting ratios, the pretrained model's loss)
 have no seed variance: their interval is the point.
+
+Claims 11-14 (`group_findings`, who pays for privacy) are a separate block:
+differences of per-group costs of privacy (loss minus the non-private
+reference's) from the per-user tables of userdp.evaluation.groups, with 95%
+bootstrap intervals over users and seeds instead of Welch intervals; the
+verdict is formed by the same `verdict`.
 """
 
 from __future__ import annotations
