@@ -47,6 +47,7 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/figures.smk"
 include: "workflow/rules/experiments.smk"
 include: "workflow/rules/audit.smk"
+include: "workflow/rules/audit_mechanism.smk"
 include: "workflow/rules/findings.smk"
 
 

@@ -14,7 +14,9 @@ quiet (`uptime` before and after).
 
 Benchmark paths in a log are relative to the run's working directory: --root (and --root-baseline) name
 it when the log is not under <root>/.snakemake/log/. Jobs whose benchmark file is missing (a run that
-was cut short) count with the wall time between their start and finish lines in the log (1 s resolution).
+was cut short) count with the wall time between their start and finish lines in the log (1 s resolution),
+and so do jobs whose benchmark file was written outside their start and finish (a later run of the same
+job rewrote it: a warning says so); profile a run right after it ends.
 """
 
 from __future__ import annotations
@@ -73,8 +75,12 @@ def read_run(log: Path, root: Path) -> Run:
         elif m := _ELAPSED.match(line):
             elapsed = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
     jobs = [j for j in by_id.values() if j.finished is not None and j.rule != "all"]
+    stale = []
     for job in jobs:
         path = root / job.benchmark if job.benchmark else None
+        if path is not None and path.exists() and not _written_by(job, path):
+            stale.append(str(path))
+            path = None
         if path is not None and path.exists():
             with path.open() as f:
                 row = next(csv.DictReader(f, delimiter="\t"))
@@ -83,7 +89,24 @@ def read_run(log: Path, root: Path) -> Run:
             job.cpu_s = float(cpu) if cpu not in ("", "NA", "-") else None
         elif job.started is not None:
             job.wall_s = (job.finished - job.started).total_seconds()
+    if stale:
+        print(f"profile_pipeline: warning: {len(stale)} benchmark file(s) of {log} were written outside their "
+              f"job's start and finish (a later run rewrote them), e.g. {stale[0]}; those jobs count with the "
+              "log's times (1 s resolution) and no CPU time. Profile a run right after it ends.", file=sys.stderr)
     return Run(log=log, jobs=jobs, elapsed_s=elapsed)
+
+
+#: Slack around a job's logged start and finish (1 s stamps; the file is written as the job ends).
+_WRITE_SLACK_S = 5.0
+
+
+def _written_by(job: Job, path: Path) -> bool:
+    """Whether the benchmark file was last written during this job (its mtime within the job's log window)."""
+    if job.started is None or job.finished is None:
+        return True
+    written = dt.datetime.fromtimestamp(path.stat().st_mtime)
+    return (job.started - dt.timedelta(seconds=_WRITE_SLACK_S) <= written
+            <= job.finished + dt.timedelta(seconds=_WRITE_SLACK_S))
 
 
 def per_rule(run: Run) -> dict[str, dict]:

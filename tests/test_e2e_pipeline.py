@@ -187,3 +187,6 @@ def test_random_stopping_cell_in_a_real_run(run, tmp_path):
     assert (cell / "model" / "model.safetensors").stat().st_size > 1000
     assert sorted(p.name for p in cell.iterdir()) == ["ledger.json", "metrics.json", "model", "train_log.parquet",
                                                       "users.parquet"]
+    # no benchmark file: the job's wall time would reveal the number of runs K (docs/privacy.md)
+    benchmarks = work / "results" / "benchmarks"
+    assert benchmarks.is_dir() and not list(benchmarks.rglob("*random_stopping*"))

@@ -210,3 +210,54 @@ def test_logsumexp_across_rows_is_bit_for_bit_the_row_version(k):
     if k <= 128:
         e = np.exp(z[1:])
         assert np.array_equal(A._sum_rows_as_numpy_sums_a_row(np.ascontiguousarray(e.T)), e.sum(axis=1))
+
+
+def _pmfs_for_bounds():
+    rng = np.random.default_rng(7)
+    out = [np.array([1.0]), np.array([0.25, 0.75]), np.array([0.0, 1.0, 0.0]), np.array([1e-300, 0.0, 1.0 - 1e-300])]
+    for n in (7, 8, 129, 1000, 65537):
+        p = rng.random(n) ** 12
+        p[: n // 10] = 0.0  # zero weights at both ends and inside: scipy masks them
+        p[n - n // 7:] = 0.0
+        p[rng.random(n) < 0.05] = 0.0
+        if p.sum() == 0:
+            p[n // 2] = 1.0
+        out.append(p / p.sum())
+    pld = A.mixture_gaussian_pld(0.9, [0.0, 1.0, 2.0], [0.8, 0.15, 0.05], 1e-3)
+    out += [pmf._probs for pmf in A._pmfs(pld)]  # noqa: SLF001
+    return out
+
+
+def test_self_convolve_bounds_are_dp_accountings():
+    """The faster Chernoff bounds give dp-accounting's integers: the same truncation, the same epsilons."""
+    from dp_accounting.pld import common as pld_common
+    from scipy import special
+
+    for probs in _pmfs_for_bounds():
+        index = np.arange(len(probs))
+        nonzero = np.flatnonzero(probs)
+        for order in A._CHERNOFF_ORDERS / len(probs):
+            ours = A._log_mgf(index, probs, nonzero, order)
+            theirs = float(special.logsumexp(index * order, b=probs))
+            assert ours == theirs, (len(probs), order)
+        for steps in (1, 2, 50, 1000):
+            for tail in (1e-15, 1e-3, 0.0):
+                assert A._self_convolve_bounds(probs, steps, tail) == \
+                    pld_common.compute_self_convolve_bounds(probs, steps, tail), (len(probs), steps, tail)
+    # inputs outside the fast path (no nonzero entry, negative entries) take dp-accounting's own function
+    for probs in (np.zeros(5), np.array([0.5, -0.1, 0.6])):
+        assert A._self_convolve_bounds(probs, 10, 1e-15) == pld_common.compute_self_convolve_bounds(probs, 10, 1e-15)
+
+
+@pytest.mark.parametrize("sigma", [3.1032171316188943, 1.0, 9.55])
+def test_els_at_full_batch_is_the_gaussian_mechanism_with_sensitivity_g(sigma):
+    """ELS at q = 1: every example of every user in every step, Binomial(G, 1) = G: the Gaussian mechanism
+    with sensitivity G. dp-accounting's MoG tail search returned None on this mixture at some sigmas (3.10 at
+    G = 4: a TypeError that crashed a run's ledger after training); it is composed as the Gaussian it is."""
+    from userdp.privacy import mechanism
+
+    G, T, delta = 4, 4, 1e-6
+    ours = A.epsilon(mechanism.ELS(1.0, T, G).dp_event(sigma), delta)
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=A.FINE_DISCRETIZATION)
+    acc.compose(dp_accounting.GaussianDpEvent(sigma / G), T)
+    assert ours == pytest.approx(acc.get_epsilon(delta), rel=1e-6)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib.util
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -46,10 +48,13 @@ def _write_run(tmp_path: Path, elapsed: str = "0:05:10.5") -> Path:
     lines += ["[Fri Dec  4 14:30:30 2026]", "Finished jobid: 1 (Rule: pretrain)"]
     _job(lines, "Fri Dec  4 14:30:31 2026", "all", 0)
     lines += ["[Fri Dec  4 14:30:31 2026]", "Finished jobid: 0 (Rule: all)", f"Elapsed time: {elapsed}"]
+    finished = {1: "Fri Dec  4 14:30:30 2026", 2: "Fri Dec  4 14:30:05 2026"}
     for jobid, (wall, cpu) in {1: (29.5, 28.0), 2: (4.2, 7.9)}.items():
         path = tmp_path / bench[jobid]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(HEADER + f"{wall}\t0:00:{int(wall):02d}\t1\t1\t1\t1\t0\t0\t50\t{cpu}\n")
+        when = dt.datetime.strptime(finished[jobid], "%a %b %d %H:%M:%S %Y").timestamp()  # written as it ends
+        os.utime(path, (when, when))
     log = tmp_path / ".snakemake" / "log" / "2026-12-04T143000.snakemake.log"
     log.parent.mkdir(parents=True)
     log.write_text("\n".join(lines) + "\n")
@@ -64,6 +69,17 @@ def test_per_rule_sums_from_benchmarks_and_log_times(profile, tmp_path):
     assert rows["pretrain"] == {"jobs": 1, "wall": 29.5, "cpu": 28.0}
     assert rows["train_tokenizer"] == {"jobs": 1, "wall": 4.2, "cpu": 7.9}
     assert rows["aggregate"] == {"jobs": 1, "wall": 4.0, "cpu": 0.0}  # from the log's start and finish
+
+
+def test_a_benchmark_file_rewritten_by_a_later_run_is_not_read(profile, tmp_path, capsys):
+    log = _write_run(tmp_path)
+    later = tmp_path / layout.benchmark_of(layout.LOG_PRETRAIN)
+    os.utime(later, (later.stat().st_mtime + 3600, later.stat().st_mtime + 3600))  # another run's pretrain
+    rows = profile.per_rule(profile.read_run(log, tmp_path))
+    assert rows["pretrain"] == {"jobs": 1, "wall": 30.0, "cpu": 0.0}  # the log's start and finish
+    assert rows["train_tokenizer"] == {"jobs": 1, "wall": 4.2, "cpu": 7.9}  # its file is this run's
+    err = capsys.readouterr().err
+    assert "1 benchmark file(s)" in err and "pretrain.tsv" in err
 
 
 def test_ratios_against_a_baseline(profile, tmp_path):

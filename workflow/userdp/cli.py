@@ -5,6 +5,7 @@
     userdp calibrate --method uls --epsilon 4 --delta 1e-6 --sampling-rate 0.01 --steps 1000 --selection composed --runs 3
     userdp export-merged RUN_FOLDER/model merged/   (a LoRA run's adapter merged into its base model)
     userdp check-config my.yaml [more.yaml ...]
+    userdp audit-mechanism --configfile my.yaml [--method els|uls] [--epsilon E] [--json]
     userdp run --cores 2 --configfile my.yaml results/data/mine/contributions.json   (snakemake, targets first)
 
 --selection says what the epsilon is of: one run (default), the released
@@ -143,13 +144,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("snakemake_args", nargs="*", metavar="ARG", help="snakemake's arguments, e.g. --cores 2 "
                    "--configfile my.yaml results/data/mine/contributions.json")
+    a = sub.add_parser(
+        "audit-mechanism", help="white-box audit of the user-level mechanism: empirical vs claimed epsilon",
+        description="Train canary users whose gradient is a known direction through the real engine, for every "
+        "cell of audit.methods x audit.epsilons of the config (or the one --method / --epsilon name), score them "
+        "from every privatised update and print the empirical epsilon lower bound next to the claimed epsilon "
+        "(docs/privacy.md, \"White-box audit of the mechanism\"). --json prints one JSON object: with both "
+        "--method and --epsilon, that cell's fields (the columns of mechanism.csv); otherwise {\"cells\": [...]}, "
+        "one object per cell in audit.methods x audit.epsilons order. Exits 2 for a bad config or a cell that "
+        "is not audited, 1 when an empirical bound exceeds its claim.")
+    a.add_argument("--configfile", nargs="+", required=True, metavar="FILE",
+                   help="config files, merged over config/config.yaml as snakemake --configfile does")
+    a.add_argument("--method", choices=["els", "uls"], default=None, help="audit only this method (of audit.methods)")
+    a.add_argument("--epsilon", type=_positive_float("epsilon"), default=None,
+                   help="audit only this target epsilon (of audit.epsilons, or grid.epsilons when that is null)")
+    a.add_argument("--dataset", default="", help="the dataset name written in the rows (default: none)")
+    a.add_argument("--json", action="store_true", help="print one JSON object (see above)")
     x = sub.add_parser("export-merged", help="merge a run's LoRA adapter (model.lora) into its base model and save it")
     x.add_argument("adapter", help="a run's model/ folder holding peft's adapter_config.json")
     x.add_argument("out", help="the folder to write the merged model to (must not exist yet)")
     return p
 
 
-def _checked_config(files: Sequence[str], default: str | None, overrides: dict | None = None) -> None:
+def _checked_config(files: Sequence[str], default: str | None, overrides: dict | None = None) -> dict:
     """Parse each file (naming its line on a syntax error), merge them over the default, validate: as snakemake
     reads `--configfile FILES` (`--config` entries: `overrides`, merged last); a UserError names the mistake.
 
@@ -171,7 +188,7 @@ def _checked_config(files: Sequence[str], default: str | None, overrides: dict |
     if overrides:
         merged = merge_configs(merged, overrides)
         sources.append("--config")
-    validate_config(merged, source=" + ".join(sources))
+    return validate_config(merged, source=" + ".join(sources))
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -229,6 +246,31 @@ def _export_merged(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit_mechanism(args: argparse.Namespace) -> int:
+    """`userdp audit-mechanism`: the white-box audit of the cells the config names (or the one asked for)."""
+    from .evaluation import mechanism_audit
+
+    try:
+        config = _checked_config(args.configfile, None)
+        params = mechanism_audit.mechanism_params(config)
+        mechanism_audit.select_cells(params, args.method, args.epsilon)  # a cell not audited fails before training
+        rows = mechanism_audit.run_audit(params, args.dataset, method=args.method, epsilon=args.epsilon,
+                                         threads=int(config["training"]["threads"]))
+    except UserError as exc:
+        print(f"userdp audit-mechanism: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json_text(rows[0] if args.method is not None and args.epsilon is not None else {"cells": rows}))
+    else:
+        for r in rows:
+            print(f"{r['method']} eps {r['epsilon_target']:g}: claimed {r['epsilon_claimed']:.4g}, empirical lower "
+                  f"bound {r['epsilon_lower_bound']:.4g} (ceiling {r['epsilon_lower_bound_ceiling']:.4g}, "
+                  f"{r['canaries']} canaries, {r['confidence']:.0%}); noise std ratio {r['noise_std_ratio']:.3f}"
+                  + ("  BOUND EXCEEDS CLAIM" if r["bound_exceeds_claim"] else "")
+                  + ("  NOISE CHECK FAILED" if r["noise_check_failed"] else ""))
+    return 1 if any(r["bound_exceeds_claim"] for r in rows) else 0
+
+
 def _emit(record: dict, as_json: bool, text: str) -> None:
     if as_json:
         print(json_text(record))
@@ -246,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _export_merged(args)
     if args.command == "check-config":
         return _check_config(args)
+    if args.command == "audit-mechanism":
+        return _audit_mechanism(args)
     from .privacy import mechanism
     from .privacy.calibration import calibrate
 

@@ -178,6 +178,7 @@ AUDIT_RESULT = AUDIT + "/scores/" + _SETTING + "/" + _SEED + ".json"
 AUDIT_SUMMARY = AUDIT + "/summary.parquet"
 AUDIT_SUMMARY_CSV = AUDIT + "/summary.csv"
 AUDIT_TABLE = AUDIT + "/table.html"
+AUDIT_MECHANISM = AUDIT + "/mechanism.csv"
 
 # Logs, one per job.
 LOGS = "results/logs"
@@ -215,6 +216,7 @@ LOG_AUDIT_PLAN = LOGS + "/audit/{dataset}/plan/" + _SETTING + ".log"
 LOG_AUDIT_FINETUNE = LOGS + "/audit/{dataset}/finetune/" + CELL + "/" + _LR + ".log"
 LOG_AUDIT_SCORE = LOGS + "/audit/{dataset}/score/" + CELL + ".log"
 LOG_AUDIT_SUMMARY = LOGS + "/audit/{dataset}/summary.log"
+LOG_AUDIT_MECHANISM = LOGS + "/audit/{dataset}/mechanism.log"
 
 # Per-job resource use (snakemake's `benchmark:` files: wall s, cpu_time, max_rss, ...), one per log: the
 # log's path under results/benchmarks with .tsv for .log (benchmarks/profile_pipeline.py sums them per rule).

@@ -266,9 +266,10 @@ def _epsilon_fn(mechanism: Mechanism, delta: float, d: float, extra: tuple = ())
 def _infeasible_on_failure(f: Callable[[float], float]) -> Callable[[float], float]:
     """`f`, with a failure of dp-accounting at an extreme probe read as "not private enough".
 
-    dp-accounting's PLD construction breaks down where the privacy loss is
-    astronomically large (e.g. sigma = 1 against a sensitivity of 64 at
-    q = 1: a truncation bound comes back None). Such a probe is far from
+    dp-accounting's PLD construction can break down where the privacy loss
+    is astronomically large (a truncation bound comes back None; the one
+    mixture that did so at ordinary sigmas, ELS at q = 1, is now composed as
+    the Gaussian mechanism it is: accounting._certain_sensitivity). Such a probe is far from
     any feasible sigma, so treating it as epsilon = inf only sends the
     search upward; the returned sigma is still certified by a successful
     evaluation, never by this fallback.

@@ -1,0 +1,330 @@
+"""The white-box audit of the mechanism (userdp.evaluation.mechanism_audit): it must catch broken mechanisms.
+
+Mutation tests: each deliberate bug of tests/mechanism_mutations.py is
+applied to the real engine / clipping / noise / accounting path for one
+audited run, at the size stated next to it, and the audit must give an
+empirical user-level epsilon lower bound ABOVE the claimed epsilon. Three
+bugs are not caught by the epsilon bound at a size CI can run (docs/privacy.md,
+"White-box audit of the mechanism", has the power table and the reason: the
+one-run bound of Steinke et al. reaches about 60% of a Gaussian mechanism's
+epsilon at 1,000 canaries, so a factor 2 or sqrt(2) in the noise, and a
+divisor that only leaks the batch count, stay below the claim); for those the
+tests check that the audit sees them (the bound rises above the honest run's,
+and the audit's exact noise and divisor checks fail), never that they pass.
+
+The honest mechanism never exceeds its claim (many seeds, engine and a
+numpy simulation of the Gaussian mechanism with known epsilon), and the
+estimator's bound never exceeds the true epsilon of that simulated mechanism.
+Engine runs and the many-seed checks are integration tests (seconds each);
+the unit tests of the scores, the cell selection and the table are fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+from scipy import optimize, stats
+
+import mechanism_mutations as mm
+from userdp.errors import ConfigError
+from userdp.evaluation import mechanism_audit as ma
+
+torch.set_num_threads(1)
+
+# The sizes of the audited runs (power table: benchmarks/mechanism_audit_power.py)
+FULL_BATCH = dict(canaries=1000, group_size=4, sampling_rate=1.0, steps=4, delta=1e-6, clip_norm=1e-3,
+                  other_users=50, physical_batch_size=256)
+#: Small q, many steps: a different unit is first in each step's micro-batch (mutation b), batches vary (f).
+SMALL_Q = dict(canaries=1000, group_size=1, sampling_rate=0.005, steps=400, delta=1e-6, clip_norm=1e-3,
+               other_users=0, physical_batch_size=256)
+
+
+def setup(method: str, eps: float, size: dict, **kw) -> ma.CellSetup:
+    return ma.CellSetup(method=method, epsilon=eps, **{**size, **kw})
+
+
+_CACHE: dict = {}
+
+
+def audited(mutation: str, s: ma.CellSetup) -> dict:
+    key = (mutation, s)
+    if key not in _CACHE:
+        with mm.MUTATIONS[mutation]():
+            _CACHE[key] = ma.audit_cell(s)
+    return _CACHE[key]
+
+
+# ---------------------------------------------------------------- mutations the epsilon bound catches
+
+CAUGHT = [
+    # (b) one unit per micro-batch unclipped: with q small a different canary is first in each of the 400 steps
+    ("clipping_skipped_for_one_unit", "uls", 2.0, SMALL_Q),
+    # (c) the accountant is given q / 4 while the sampler runs q
+    ("accounting_rate_smaller", "els", 2.0, FULL_BATCH),
+    ("accounting_rate_smaller", "uls", 1.0, FULL_BATCH),
+    # (d) ELS accounted with G = 1 while every user has G = 4 examples
+    ("els_accounted_with_g1", "els", 2.0, FULL_BATCH),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mutation,method,eps,size", CAUGHT, ids=[f"{c[0]}-{c[1]}-eps{c[2]:g}" for c in CAUGHT])
+def test_mutation_is_caught(mutation, method, eps, size):
+    s = setup(method, eps, size)
+    bad = audited(mutation, s)
+    honest = audited("honest", s)
+    assert honest["epsilon_lower_bound"] <= honest["epsilon_claimed"]
+    assert bad["bound_exceeds_claim"] and bad["epsilon_lower_bound"] > bad["epsilon_claimed"], bad
+    assert bad["epsilon_lower_bound"] > honest["epsilon_lower_bound"]
+
+
+# ---------------------------------------------------------------- mutations only the exact checks catch at CI size
+
+
+@pytest.mark.integration
+def test_noise_halved_is_seen_but_not_above_the_claim_at_1000_canaries():
+    """(a) Half the noise: the bound rises (0.51 -> 1.38 at claimed 2) but stays below the claim at m = 1,000
+    (the one-run bound of a Gaussian mechanism: docs/privacy.md); the noise check measures the ratio exactly."""
+    s = setup("uls", 2.0, FULL_BATCH)
+    bad, honest = audited("noise_halved", s), audited("honest", s)
+    assert bad["epsilon_lower_bound"] > 2 * honest["epsilon_lower_bound"] > 0
+    assert bad["noise_check_failed"] and not honest["noise_check_failed"]
+    assert bad["noise_std_ratio"] == pytest.approx(0.5, rel=0.03)
+    assert honest["noise_std_ratio"] == pytest.approx(1.0, rel=0.03)
+
+
+@pytest.mark.integration
+def test_division_by_the_realised_size_is_seen_by_the_divisor_check():
+    """(f) Dividing by the realised count: at q = 1 it is the expected size (no change, not a bug there); at
+    q = 0.005 the divisor check reads each step's count, while the epsilon bound stays near 0 at m = 1,000."""
+    s = setup("uls", 2.0, SMALL_Q)
+    bad, honest = audited("divide_by_realised_size", s), audited("honest", s)
+    assert bad["noise_check_failed"] and not honest["noise_check_failed"]
+    assert bad["divisor_ratio_max"] / bad["divisor_ratio_min"] > 2  # q N = 2.5 vs realised 1, 2, 3, ...
+    assert honest["divisor_ratio_max"] / honest["divisor_ratio_min"] < 1.2
+    full = setup("uls", 2.0, FULL_BATCH)
+    same = audited("divide_by_realised_size", full)  # q = 1: the realised size is N, the expected one too
+    assert not same["noise_check_failed"]
+    assert same["epsilon_lower_bound"] == audited("honest", full)["epsilon_lower_bound"]
+
+
+# (e) two processes: every rank adds noise of std sigma C / 2 from its own stream (sum: sigma C / sqrt 2)
+
+TWO_PROCESS = dict(FULL_BATCH, canaries=400, physical_batch_size=64)
+
+
+def _two_process_worker(rank: int, root: str) -> None:
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=mm.WORLD)
+    try:
+        from userdp.training import distributed
+
+        ctx = distributed.current_context()
+        out = {}
+        for name in ("honest", "noise_on_every_rank"):
+            with mm.MUTATIONS[name]():
+                out[name] = ma.audit_cell(setup("uls", 2.0, TWO_PROCESS, processes=2), dist=ctx)
+        if rank == 0:
+            torch.save(out, f"{root}/rows.pt")
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_two_processes_audit_the_same_mechanism_and_see_noise_on_every_rank(tmp_path):
+    mp.spawn(_two_process_worker, args=(str(tmp_path),), nprocs=mm.WORLD, join=True)
+    rows = torch.load(tmp_path / "rows.pt", weights_only=False)
+    one = audited("honest", setup("uls", 2.0, TWO_PROCESS))
+    two = rows["honest"]
+    # the same mechanism: claim, noise, bound and the exact checks of one process
+    for k in ("epsilon_claimed", "noise_multiplier", "epsilon_lower_bound", "best_correct"):
+        assert two[k] == pytest.approx(one[k], rel=1e-9), k
+    assert two["noise_std_ratio"] == pytest.approx(one["noise_std_ratio"], rel=1e-4)
+    bad = rows["noise_on_every_rank"]
+    assert bad["noise_check_failed"] and not two["noise_check_failed"]
+    assert bad["noise_std_ratio"] == pytest.approx(1 / math.sqrt(2), rel=0.04)
+    assert bad["epsilon_lower_bound"] >= two["epsilon_lower_bound"]
+
+
+# ---------------------------------------------------------------- the honest mechanism and the estimator
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["els", "uls"])
+def test_honest_mechanism_never_exceeds_its_claim_over_seeds(method):
+    """10 audit seeds (coins, noise, sampling) per method, claimed 2 at 400 canaries: every bound below."""
+    for seed in range(10):
+        r = audited("honest", setup(method, 2.0, dict(FULL_BATCH, canaries=400), seed=seed))
+        assert not r["bound_exceeds_claim"], (seed, r)
+        assert r["epsilon_lower_bound"] <= r["epsilon_claimed"]
+        assert not r["noise_check_failed"] and r["canaries_clipped"] == 1.0
+        assert r["epsilon_ledger"] == pytest.approx(r["epsilon_claimed"], rel=1e-9)
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """The exact epsilon at delta of the Gaussian mechanism with sensitivity / sigma = mu (Balle and Wang 2018)."""
+    f = lambda e: stats.norm.cdf(-e / mu + mu / 2) - math.exp(e) * stats.norm.cdf(-e / mu - mu / 2) - delta  # noqa: E731
+    return optimize.brentq(f, 0.0, 200.0)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mu", [0.3, 0.5, 0.8])  # epsilon 1.29, 2.25, 3.80: below the ceiling (4.5)
+def test_estimator_never_exceeds_the_true_epsilon_of_a_simulated_gaussian_mechanism(mu):
+    """T = 1, q = 1: each canary's release is N(mu, 1) or N(0, 1), exactly mu-GDP; 100 seeds at 1,000 canaries.
+    The same audit on a mechanism with a quarter of that noise exceeds the epsilon (the test can fail)."""
+    delta = 1e-6
+    eps = gaussian_epsilon(mu, delta)
+    s = ma.CellSetup("uls", eps, 1000, 1, 1.0, 1, delta, 1.0, guess_fractions=(0.02, 0.05, 0.1, 0.2, 0.5))
+    bounds = []
+    for seed in range(100):
+        scores, inc = ma.simulate_scores(s, 1 / mu, np.random.default_rng(seed))
+        bounds.append(ma.audit_bound(scores, inc, delta=delta, confidence=0.95,
+                                     guess_fractions=s.guess_fractions)["epsilon_lower_bound"])
+    assert max(bounds) <= eps, (max(bounds), eps)
+    assert np.mean(bounds) > 0.1 * eps  # and it does measure something
+    scores, inc = ma.simulate_scores(s, 1 / mu, np.random.default_rng(0), noise_scale=0.25)
+    assert ma.audit_bound(scores, inc, delta=delta, confidence=0.95,
+                          guess_fractions=s.guess_fractions)["epsilon_lower_bound"] > eps
+
+
+@pytest.mark.integration
+def test_calibration_matches_a_known_gaussian():
+    """q = 1, G = 1, T = 1 is the Gaussian mechanism: the project's calibration gives sigma = 1/mu of its epsilon."""
+    delta, mu = 1e-6, 0.8
+    s = ma.CellSetup("uls", gaussian_epsilon(mu, delta), 10, 1, 1.0, 1, delta, 1.0)
+    c = ma.calibrate_cell(s)
+    assert c["noise_multiplier"] == pytest.approx(1 / mu, rel=2e-3)
+    assert c["epsilon_claimed"] <= s.epsilon * (1 + 1e-9)
+
+
+# ---------------------------------------------------------------- scores, cells, table (fast)
+
+
+def test_count_aware_score_is_the_exact_likelihood_ratio_on_a_tiny_case():
+    """Three canaries, ULS, one step, known count: the score equals the brute-force ratio over every coin/sample."""
+    import itertools
+
+    rng = np.random.default_rng(1)
+    y = rng.normal(0.5, 1.0, size=(3, 1))
+    q, sigma = 0.4, 1.3
+    k, pk = np.array([0.0, 1.0]), np.array([1 - q, q])
+    other = stats.binom.pmf(np.arange(6), 2, q)  # two other users
+    n = 2
+    got = ma.count_aware_scores(y, [n], np.ones(3), k, pk, sigma, other, max_count=5)
+
+    def lik(i_in: bool, i: int) -> float:
+        total = 0.0
+        for coins in itertools.product([0, 1], repeat=3):
+            if coins[i] != int(i_in):
+                continue
+            p_coins = 0.5 ** 2
+            for s_ in itertools.product([0, 1], repeat=3):
+                if any(s_[j] and not coins[j] for j in range(3)):
+                    continue
+                p = p_coins * np.prod([(q if s_[j] else 1 - q) if coins[j] else 1.0 for j in range(3)])
+                dens = np.prod([stats.norm.pdf(y[j, 0], s_[j], sigma) for j in range(3)])
+                rest = n - sum(s_)
+                total += p * dens * (other[rest] if rest >= 0 else 0.0)
+        return total
+
+    want = [math.log(lik(True, i) / lik(False, i)) for i in range(3)]
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def test_count_aware_score_without_usable_counts_is_the_likelihood_ratio():
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=(5, 3))
+    k, pk = np.array([0.0, 1.0]), np.array([0.5, 0.5])
+    lr = ma.likelihood_ratio_scores(y, np.ones(5), k, pk, 1.0)
+    np.testing.assert_allclose(ma.count_aware_scores(y, [None, 500, None], np.ones(5), k, pk, 1.0, [1.0]), lr)
+
+
+def test_likelihood_ratio_score_of_one_step_is_the_gaussian_mixture_ratio():
+    y = np.array([[0.3], [-1.0]])
+    q, sigma = 0.25, 2.0
+    got = ma.likelihood_ratio_scores(y, np.array([1.0, 0.5]), np.array([0.0, 1.0]), np.array([1 - q, q]), sigma)
+    want = [math.log((1 - q) + q * stats.norm.pdf(v, a, sigma) / stats.norm.pdf(v, 0, sigma))
+            for v, a in ((0.3, 1.0), (-1.0, 0.5))]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_ceiling_before_training_is_the_audits_ceiling():
+    rng = np.random.default_rng(0)
+    inc = rng.random(300) < 0.5
+    scores = {name: rng.normal(size=300) for name in ma.SCORES}
+    fr = (0.05, 0.1, 0.5)
+    got = ma.audit_bound(scores, inc, delta=1e-6, confidence=0.95, guess_fractions=fr)
+    assert got["epsilon_lower_bound_ceiling"] == ma.bound_ceiling(300, 1e-6, 0.95, fr)
+    assert got["guess_sets"] == len(ma.SCORES) * 6  # r = 15, 30, 150: the r highest "in", or r/2 "in" and r/2 "out"
+    perfect = {name: inc.astype(float) for name in ma.SCORES}
+    assert ma.audit_bound(perfect, inc, delta=1e-6, confidence=0.95,
+                          guess_fractions=fr)["epsilon_lower_bound"] == got["epsilon_lower_bound_ceiling"]
+
+
+def _params(**kw) -> dict:
+    from userdp.config import validate_config
+
+    cfg = validate_config({"datasets": {"synth": {"source": "synthetic"}}, "audit": {"methods": ["uls"],
+                                                                                     "epsilons": [1, 4], **kw}})
+    return ma.mechanism_params(cfg)
+
+
+def test_cells_are_methods_times_epsilons_and_bad_cells_name_the_key():
+    params = _params()
+    assert [(c.method, c.epsilon) for c in ma.select_cells(params)] == [("uls", 1.0), ("uls", 4.0)]
+    assert [(c.method, c.epsilon) for c in ma.select_cells(params, "uls", 4)] == [("uls", 4.0)]
+    with pytest.raises(ConfigError, match=r"audit\.methods"):
+        ma.select_cells(params, "els")
+    with pytest.raises(ConfigError, match=r"epsilon 2 is not audited.*audit\.epsilons"):
+        ma.select_cells(params, None, 2.0)
+    c = ma.select_cells(params)[0]
+    assert (c.canaries, c.steps, c.sampling_rate, c.delta) == (1000, 4, 1.0, 1e-6)  # the schema's defaults
+
+
+def test_config_keys_reach_the_cells():
+    params = _params(mechanism={"canaries": 64, "steps": 3, "sampling_rate": 0.5, "processes": 2})
+    c = ma.select_cells(params)[0]
+    assert (c.canaries, c.steps, c.sampling_rate, c.processes) == (64, 3, 0.5, 2)
+
+
+def test_table_has_the_acceptance_columns_first(tmp_path):
+    import pandas as pd
+
+    row = {k: 1 for k in ma.COLUMNS} | {"extra": 2}
+    ma.write_table([row], tmp_path / "m.csv")
+    df = pd.read_csv(tmp_path / "m.csv")
+    assert list(df.columns)[:len(ma.COLUMNS)] == list(ma.COLUMNS) and "extra" in df.columns
+    for col in ("method", "epsilon_claimed", "epsilon_lower_bound", "epsilon_lower_bound_ceiling", "canaries"):
+        assert col in df.columns
+
+
+def test_canary_gradient_is_one_row_of_the_embedding_and_above_the_clip_norm():
+    """The canary design: only wte trains, canary i's loss reaches only row v_i, and its norm is far above C."""
+    s = ma.CellSetup("uls", 1.0, 6, 2, 1.0, 1, 1e-6, 1e-3, other_users=2)
+    model = ma.canary_model(s)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["transformer.wte.weight"]
+    wte = model.transformer.wte.weight
+    ids = torch.full((1, s.example_length), int(s.canary_token(3)))
+    from userdp.training.clipping import row_losses
+
+    loss, _ = row_losses(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, ids, torch.ones_like(ids))
+    (g,) = torch.autograd.grad(loss.sum(), [wte])
+    nonzero = torch.nonzero(g.abs().sum(1)).flatten().tolist()
+    assert nonzero == [int(s.canary_token(3))]
+    grads = ma.canary_gradients(model, s)
+    np.testing.assert_allclose(grads[3], g[int(s.canary_token(3))].numpy(), rtol=1e-5, atol=1e-7)
+    assert np.linalg.norm(grads, axis=1).min() > 100 * s.clip_norm
+
+
+
+def test_an_audit_that_cannot_exceed_the_claim_says_so_before_training(caplog, monkeypatch):
+    params = _params(epsilons=[8], mechanism={"canaries": 50})
+    monkeypatch.setattr(ma, "audit_cell", lambda *a, **k: pytest.fail("trained"))  # the warning comes first
+    with caplog.at_level("WARNING"), pytest.raises(pytest.fail.Exception, match="trained"):
+        ma.run_audit(params)
+    assert "cannot show a bound above the claim" in caplog.text and "50 canaries" in caplog.text

@@ -1,0 +1,35 @@
+# The white-box audit of the mechanism (target `audit_mechanism`; docs/privacy.md,
+# "White-box audit of the mechanism"). Canary users with a known gradient
+# direction, each included with probability 1/2, are trained through the real
+# engine for every cell of audit.methods x audit.epsilons (noise from the
+# project's calibration); every privatised update is scored and the one-run
+# bound sets an empirical epsilon next to the claimed one. Not part of rule
+# all: run `snakemake --cores 2 audit_mechanism`.
+import userdp.evaluation.audit_targets as _audit_targets_mech
+import userdp.evaluation.mechanism_audit as mechanism_audit_lib
+from userdp import layout
+
+
+rule audit_mechanism_table:
+    output:
+        layout.AUDIT_MECHANISM,
+    params:
+        audit=mechanism_audit_lib.mechanism_params(config),
+    log:
+        layout.LOG_AUDIT_MECHANISM,
+    benchmark:
+        layout.benchmark_of(layout.LOG_AUDIT_MECHANISM),
+    threads: config["training"]["threads"]
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    conda:
+        "../envs/userdp.yaml"
+    script:
+        "../scripts/audit_mechanism.py"
+
+
+rule audit_mechanism:
+    """Target: the white-box audit of the mechanism, results/audit/{dataset}/mechanism.csv per audited dataset."""
+    input:
+        [layout.AUDIT_MECHANISM.format(dataset=d) for d in _audit_targets_mech.audited_datasets(config)],
