@@ -525,17 +525,28 @@ def prepare_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
     return script("prepare_data.py", make, {"datasets": {name: spec}, "tokenizer": {"batch_rows": 4}})
 
 
-def public_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
-    """Start-up validation, then rule prepare_public's script (the dataset's public corpus)."""
+def _dataset_job(script_name: str, output: dict[str, str], spec: dict, name: str, config: dict) -> Callable[[Path], Outcome]:
+    """Start-up validation, then a data rule's script whose params are the dataset's spec and the seed."""
 
     def make(folder: Path, cfg: dict) -> dict:
         return {"input": {"download": f"data/{name}/download.json"},
-                "output": {"public": f"results/data/{name}/public.parquet"},
+                "output": {k: v.format(name=name) for k, v in output.items()},
                 "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"],
                            "untracked": untracked(cfg, "tokenizer.batch_rows")},
                 "wildcards": {"dataset": name}}
 
-    return script("prepare_public.py", make, {"datasets": {name: spec}})
+    return script(script_name, make, {"datasets": {name: spec}, **config})
+
+
+def labels_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
+    """Start-up validation, then rule user_labels' script (each user's group label)."""
+    return _dataset_job("user_labels.py", {"labels": "results/data/{name}/user_labels.parquet"}, spec, name,
+                        {"tokenizer": {"batch_rows": 4}})
+
+
+def public_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
+    """Start-up validation, then rule prepare_public's script (the dataset's public corpus)."""
+    return _dataset_job("prepare_public.py", {"public": "results/data/{name}/public.parquet"}, spec, name, {})
 
 
 def data_case(id: str, what: str, spec: dict, setup: Callable[[Path], None] | None, message: str, *,
@@ -632,7 +643,7 @@ def contributions(rel: str = "results/data/mine/contributions.json", **n_users: 
 
 
 CELL = "results/runs/mine/method~els/eps~8/budget~400/seed~0"
-CELL_OUTPUTS = (f"{CELL}/metrics.json", f"{CELL}/ledger.json", f"{CELL}/train_log.parquet")
+CELL_OUTPUTS = (f"{CELL}/metrics.json", f"{CELL}/ledger.json", f"{CELL}/train_log.parquet", f"{CELL}/users.parquet")
 
 
 def select_job() -> Callable[[Path], Outcome]:
@@ -641,8 +652,10 @@ def select_job() -> Callable[[Path], Outcome]:
     def make(folder: Path, cfg: dict) -> dict:
         runs = [f"{CELL}/lr~0.001"]
         return {"input": {"evals": [f"{r}/eval.json" for r in runs], "ledgers": [f"{r}/ledger.json" for r in runs],
-                          "train_logs": [f"{r}/train_log.parquet" for r in runs]},
-                "output": {"metrics": CELL_OUTPUTS[0], "ledger": CELL_OUTPUTS[1], "train_log": CELL_OUTPUTS[2]},
+                          "train_logs": [f"{r}/train_log.parquet" for r in runs],
+                          "users": [f"{r}/eval_users.parquet" for r in runs]},
+                "output": {"metrics": CELL_OUTPUTS[0], "ledger": CELL_OUTPUTS[1], "train_log": CELL_OUTPUTS[2],
+                           "users": CELL_OUTPUTS[3]},
                 "params": {"learning_rates": [0.001], "debug_step_log": False}}
 
     return script("select_lr.py", make)
@@ -660,6 +673,8 @@ def lr_runs(eval_text: str | None = None) -> Callable[[Path], None]:
             write(f"{run}/ledger.json", json.dumps({"epsilon": 8.0, "delta": 1e-5, "noise_multiplier": 1.0,
                                                     "selection": {"accounting": "per_run"}}))(folder)
             parquet(f"{run}/train_log.parquet", {"step": [1, 2], "learning_rate": [float(lr)] * 2})(folder)
+            parquet(f"{run}/eval_users.parquet", {"user_id": ["u1"], "nll": [4.0], "n_tokens": [2],
+                                                  "n_examples": [1], "loss": [2.0]})(folder)
 
     return setup
 
@@ -896,6 +911,17 @@ CASES: list[Case] = [
          kept=("results/runs/synth/method~els/eps~8/budget~8000/seed~0/metrics.json",)),
 
     # ============================================================ data
+    Case("group-column-varies", "data", "`group_column: region` on a file where one user's rows carry two regions",
+         labels_job(local("posts.jsonl", group_column="region")), 2,
+         "user 'b' has rows with different labels ['east', 'south'] in group column 'region'",
+         setup=local_file("posts.jsonl", "jsonl", [{"user_id": "a", "text": "x", "region": "north"},
+                                                   {"user_id": "b", "text": "y", "region": "south"},
+                                                   {"user_id": "b", "text": "z", "region": "east"}]),
+         absent=("results/data/mine/user_labels.parquet",), kept=("posts.jsonl",)),
+    Case("group-column-missing", "data", "`group_column: region` on a file without that column",
+         labels_job(local("posts.csv", group_column="region")), 2, "missing column(s) ['region']",
+         setup=local_file("posts.csv", "csv"), absent=("results/data/mine/user_labels.parquet",),
+         kept=("posts.csv",)),
     data_case("csv-missing-text-column", "a CSV whose text column is called `body`", local("posts.csv"),
               local_file("posts.csv", "csv", rename={"text": "body"}), "missing column(s) ['text']", kept=("posts.csv",)),
     data_case("parquet-missing-user-column", "a Parquet file whose user column is called `author`",

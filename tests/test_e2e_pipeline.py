@@ -185,7 +185,8 @@ def test_random_stopping_cell_in_a_real_run(run, tmp_path):
     assert len(metrics["learning_rate_sweep"]) == ledger["random_stopping"]["runs"] >= 1  # derived seeds: synthetic
     assert metrics["learning_rate"] in (0.003, 0.01) and math.isfinite(metrics["test_loss"])
     assert (cell / "model" / "model.safetensors").stat().st_size > 1000
-    assert sorted(p.name for p in cell.iterdir()) == ["ledger.json", "metrics.json", "model", "train_log.parquet"]
+    assert sorted(p.name for p in cell.iterdir()) == ["ledger.json", "metrics.json", "model", "train_log.parquet",
+                                                      "users.parquet"]
     # no benchmark file: the job's wall time would reveal the number of runs K (docs/privacy.md)
     benchmarks = work / "results" / "benchmarks"
     assert benchmarks.is_dir() and not list(benchmarks.rglob("*random_stopping*"))

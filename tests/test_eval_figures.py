@@ -139,8 +139,11 @@ def test_every_registered_figure_has_a_caption_a_function_and_its_own_rule():
     # (audit_table captions the audit's HTML table, a report item of rule audit_summary, not a figure)
     # (metrics_table captions the summary table, a report item of rule aggregate)
     # (findings_table captions the findings table, a report item of rule findings)
+    # (groups_table captions the cost-of-privacy table, a report item of rule groups)
     captions = {p.stem for p in (REPO / registry.CAPTION_DIR).glob("*.rst")} - {"workflow", "audit_table",
-                                                                                "metrics_table", "findings_table"}
+                                                                                "metrics_table", "findings_table",
+                                                                                "groups_table"}
+    assert "groups_table.rst" in (REPO / "workflow/rules/evaluate.smk").read_text()
     assert "findings_table.rst" in (REPO / "workflow/rules/findings.smk").read_text()
     assert "audit_table.rst" in (REPO / "workflow/rules/audit.smk").read_text()
     assert "metrics_table.rst" in (REPO / "workflow/rules/evaluate.smk").read_text()
@@ -154,7 +157,7 @@ def test_figure_targets_and_paths():
     })
     out = registry.figure_targets(c)
     stems = {"contributions_a", "contributions_b", "noise_vs_group_size", "lm_loss_vs_epsilon_a",
-             "lm_loss_vs_budget_a", "lm_uls_minus_els_a", "lm_loss_vs_group_size_a", "training_curves_a", "mean_estimation_vs_epsilon",
+             "lm_loss_vs_budget_a", "lm_uls_minus_els_a", "lm_loss_vs_group_size_a", "training_curves_a", "groups_cost_a", "groups_gap_vs_examples_a", "mean_estimation_vs_epsilon",
              "mean_estimation_vs_diversity", "mean_estimation_vs_budget", "mean_estimation_vs_group_size"}
     assert sorted(out) == sorted(f"results/figures/{s}.{e}" for s in stems for e in ("png", "pdf"))
     assert registry.figure_targets(c, family="lm") == [p for p in out if "lm_" in p or "training_curves" in p]

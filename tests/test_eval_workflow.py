@@ -24,7 +24,8 @@ from userdp.io import read_json, write_json
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
 RULES = ["evaluation", "evaluate", "evaluate_pretrained", "select_lr", "aggregate", "plot_lm_loss_vs_epsilon",
-         "plot_lm_loss_vs_budget", "plot_lm_loss_vs_group_size", "plot_training_curves", "plot_lm_uls_minus_els"]
+         "plot_lm_loss_vs_budget", "plot_lm_loss_vs_group_size", "plot_training_curves", "plot_lm_uls_minus_els",
+         "groups", "plot_groups_cost", "plot_groups_gap_vs_examples"]
 
 CONFIG = {
     "datasets": {"toy": {"source": "synthetic", "split": {"validation": 0.2, "test": 0.2}}},
@@ -38,6 +39,11 @@ CONFIG = {
 def build_inputs(root: Path) -> dict:
     cfg = validate_config(json.loads(json.dumps(CONFIG)))
     tokens_table(root / "results/data/toy/tokens.parquet", {"train": 5, "validation": 4, "test": 4})
+    users = sorted(set(pd.read_parquet(root / "results/data/toy/tokens.parquet")["user_id"]))
+    # the data stage's user labels (rule user_labels) of a synthetic dataset, for rule groups
+    pd.DataFrame({"user_id": users, "kind": "topic",
+                  "label": ["rare" if i % 2 else "common" for i in range(len(users))]}).to_parquet(
+        root / "results/data/toy/user_labels.parquet")
     tiny_gpt2(root / "results/model/pretrained", seed=0)
     for i, cell in enumerate(iter_cells(cfg)):
         g = cell.group_size or (3 if cell.method == "els" else 4)
@@ -69,7 +75,8 @@ def test_evaluation_stage_runs_end_to_end(tmp_path):
                                                        "lm_loss_vs_group_size", "training_curves")
                for e in ("png", "pdf")]
     wanted = [f"{c.run_dir}/metrics.json" for c in cells] + [
-        "results/runs/toy/pretrained/metrics.json", "results/summary/toy/metrics.csv"] + figures
+        "results/runs/toy/pretrained/metrics.json", "results/summary/toy/metrics.csv",
+        "results/summary/toy/groups.csv", "results/summary/toy/users.parquet"] + figures
     assert set(wanted) < set(evaluation_targets(tmp_path))
     res = snakemake(tmp_path, "evaluation")
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
@@ -93,6 +100,14 @@ def test_evaluation_stage_runs_end_to_end(tmp_path):
     assert summary["is_group_sweep"].sum() == 1
     for f in figures:
         assert (tmp_path / f).stat().st_size > 1000, f
+    # the per-user artifact: one row per evaluated test user (max_users 3) and model (every cell, pretrained)
+    per_user = pd.read_parquet(tmp_path / "results/summary/toy/users.parquet")
+    assert len(per_user) == 3 * (len(cells) + 1) and per_user["user_id"].nunique() == 3
+    for c in cells:
+        chosen = read_json(tmp_path / c.run_dir / "metrics.json")["learning_rate"]
+        scores = pd.read_parquet(tmp_path / c.run_dir / f"lr~{fmt_num(chosen)}" / "eval_users.parquet")
+        assert scores["nll"].sum() / scores["n_tokens"].sum() == pytest.approx(
+            read_json(tmp_path / c.run_dir / "metrics.json")["test_loss"])
     # nothing left to do on a second invocation
     again = snakemake(tmp_path, "--dry-run", "evaluation")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr

@@ -45,8 +45,10 @@ TINY = REPO / "tests" / "configs" / "tiny.yaml"
 AFTER_FINETUNE = {
     "finetune", "finetune_group", "evaluate", "select_lr", "aggregate",
     "plot_lm_loss_vs_budget", "plot_lm_loss_vs_epsilon", "plot_lm_loss_vs_group_size", "plot_training_curves",
-    "plot_lm_uls_minus_els", "findings",
+    "plot_lm_uls_minus_els", "findings", "groups", "plot_groups_cost", "plot_groups_gap_vs_examples",
 }
+# Rules downstream of the per-user scores (rule groups: the cost of privacy per user group).
+AFTER_GROUPS = {"groups", "plot_groups_cost", "plot_groups_gap_vs_examples", "findings"}
 
 
 def base_config() -> dict:
@@ -132,6 +134,10 @@ SCENARIOS = {
     "mean_estimation_dimension": changed(**{"mean_estimation.dimension": 4}),
     # one learning rate: validation users are scored only when asked for
     "validation_always": changed(**{"evaluation.validation": "always"}),
+    # the cost-of-privacy table's settings: only the table, its figures and the findings
+    "groups_settings": changed(**{"groups.min_users": 3, "groups.bootstrap": 500, "groups.size_edges": [1, 4]}),
+    # whether the scatter draws per-user points: only that figure
+    "per_user_points": changed(**{"groups.per_user_points": "never"}),
 }
 
 
@@ -204,6 +210,14 @@ def test_secret_seeds_rerun_the_runs_whose_resolved_value_changes(plans):
 def test_debug_step_log_reruns_training_and_the_cells_logs(plans):
     jobs, _ = plans["debug_step_log"]
     assert set(jobs) == AFTER_FINETUNE and jobs["select_lr"] >= 1
+
+
+@pytest.mark.integration
+def test_group_settings_rerun_only_the_group_table_and_what_reads_it(plans):
+    jobs, _ = plans["groups_settings"]
+    assert set(jobs) == AFTER_GROUPS
+    jobs, _ = plans["per_user_points"]
+    assert set(jobs) == {"plot_groups_gap_vs_examples"}
 
 
 @pytest.mark.integration

@@ -45,11 +45,15 @@ wildcard_constraints:
 
 
 def data_targets():
+    from userdp.data.labels import has_labels
+
     out = []
     for name in config["datasets"]:
         out.append(layout.CONTRIBUTIONS.format(dataset=name))
     for name in layout.grid_datasets(config):
         out.append(layout.TOKENS.format(dataset=name))
+        if has_labels(config["datasets"][name]):
+            out.append(layout.USER_LABELS.format(dataset=name))
     return out
 
 

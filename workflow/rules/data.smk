@@ -12,6 +12,7 @@ from userdp.privacy.targets import stats_private
 from userdp.rule_params import untracked
 from userdp.data.targets import (
     datasets_regex,
+    labelled_datasets_regex,
     public_datasets_regex,
     tokenizer_inputs,
     unknown_datasets_regex,
@@ -20,6 +21,7 @@ from userdp.data.targets import (
 
 DATASETS_RE = datasets_regex(config)
 PUBLIC_DATASETS_RE = public_datasets_regex(config)
+LABELLED_DATASETS_RE = labelled_datasets_regex(config)
 UNKNOWN_DATASETS_RE = unknown_datasets_regex(config)
 DATA_RUNTIME = 240  # minutes; the full Stack Overflow corpus takes hours, the default seconds
 # tokenizer.batch_rows bounds memory but changes no output: the scripts get it
@@ -83,6 +85,35 @@ rule prepare_data:
         "../envs/userdp.yaml"
     script:
         "../scripts/prepare_data.py"
+
+
+# Each user's group label (synthetic: rare/common topic; local: datasets.<name>.group_column, checked
+# constant per user), for the cost-of-privacy table (rule groups). Asked for by rule all with the data, at the
+# data priority, so that a group column that varies within a user stops the pipeline before any training.
+rule user_labels:
+    input:
+        layout.DOWNLOAD,
+    output:
+        layout.USER_LABELS,
+    params:
+        spec=lambda wildcards: config["datasets"][wildcards.dataset],
+        seed=config["seed"],
+        untracked=_BATCH_ROWS,
+    wildcard_constraints:
+        dataset=LABELLED_DATASETS_RE,
+    log:
+        layout.LOG_USER_LABELS,
+    benchmark:
+        layout.benchmark_of(layout.LOG_USER_LABELS),
+    threads: 1
+    priority: PRIORITY["chain"]
+    resources:
+        mem_mb=config["resources"]["data_mem_mb"],
+        runtime=DATA_RUNTIME,
+    conda:
+        "../envs/userdp.yaml"
+    script:
+        "../scripts/user_labels.py"
 
 
 rule prepare_public:

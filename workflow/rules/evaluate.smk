@@ -37,8 +37,8 @@ rule evaluate:
         model=lambda wc: eval_targets.job_model_files(config, wc),
         tokens=layout.TOKENS,
     output:
-        # the eval.json of each run the job evaluates: every learning rate of the cell in turn
-        # (training.sweep_jobs: per_cell, one start-up), or one run ({lr}; per_run)
+        # the eval.json and eval_users.parquet (each test user's scores) of each run the job evaluates: every
+        # learning rate of the cell in turn (training.sweep_jobs: per_cell, one start-up), or one run ({lr}; per_run)
         eval_targets.job_eval_outputs(config),
     wildcard_constraints:
         cell=layout.CELL_RE,
@@ -70,7 +70,8 @@ rule evaluate_pretrained:
         model=eval_targets.pretrained_model_files(config),
         tokens=layout.TOKENS,
     output:
-        layout.PRETRAINED_METRICS,
+        metrics=layout.PRETRAINED_METRICS,
+        users=layout.PRETRAINED_USER_SCORES,
     params:
         # the local folder of the pretrained model, or the hub name in model.name
         model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
@@ -98,12 +99,15 @@ rule evaluate_pretrained:
 rule select_lr:
     input:
         evals=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.EVAL),
+        users=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.EVAL_USERS),
         ledgers=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.LEDGER),
         train_logs=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.TRAIN_LOG),
     output:
         metrics=f"{layout.CELL_DIR}/{layout.METRICS}",
         ledger=f"{layout.CELL_DIR}/{layout.LEDGER}",
         train_log=f"{layout.CELL_DIR}/{layout.TRAIN_LOG}",
+        # the chosen run's per-user test scores (held-out users; rule groups reads them)
+        users=f"{layout.CELL_DIR}/{layout.USER_SCORES}",
     wildcard_constraints:
         # every cell, or only the eps~inf references under random stopping (rule random_stopping below)
         cell=eval_targets.select_lr_cells(config),
@@ -141,6 +145,7 @@ if eval_targets.random_stopping(config):
             metrics=f"{layout.CELL_DIR}/{layout.METRICS}",
             ledger=f"{layout.CELL_DIR}/{layout.LEDGER}",
             train_log=f"{layout.CELL_DIR}/{layout.TRAIN_LOG}",
+            users=f"{layout.CELL_DIR}/{layout.USER_SCORES}",
             **eval_targets.released_model_outputs(config),
         wildcard_constraints:
             cell=layout.PRIVATE_CELL_RE,
@@ -198,6 +203,39 @@ rule aggregate:
         "../envs/userdp.yaml"
     script:
         "../scripts/aggregate.py"
+
+
+# Who pays for privacy: every evaluated test user's loss per run (users.parquet, not in the report: held-out
+# users' data) and the cost of privacy per user group (groups.csv in the report; userdp.evaluation.groups).
+rule groups:
+    input:
+        unpack(lambda wc: eval_targets.groups_inputs(config, wc.dataset)),
+    output:
+        users=layout.SUMMARY_USERS,
+        parquet=layout.GROUPS,
+        csv=report(
+            layout.GROUPS_CSV,
+            caption="../report/groups_table.rst",
+            category="Who pays for privacy",
+            subcategory="{dataset}",
+            labels={"table": "cost of privacy per user group", "dataset": "{dataset}"},
+        ),
+    params:
+        # the groups section but per_user_points (that one changes only the scatter figure)
+        settings={k: v for k, v in config["groups"].items() if k != "per_user_points"},
+        seed=config["seed"],
+    log:
+        layout.LOG_GROUPS,
+    benchmark:
+        layout.benchmark_of(layout.LOG_GROUPS),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    conda:
+        "../envs/userdp.yaml"
+    script:
+        "../scripts/groups.py"
 
 
 rule evaluation:

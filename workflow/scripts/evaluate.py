@@ -2,8 +2,9 @@
 
 Rules `evaluate` (the fine-tuned model of each run folder of the job: every
 learning rate of one cell in turn, or one run under training.sweep_jobs:
-per_run -> each run folder's eval.json) and `evaluate_pretrained` (the model
-before fine-tuning -> metrics.json).
+per_run -> each run folder's eval.json and eval_users.parquet) and
+`evaluate_pretrained` (the model before fine-tuning -> metrics.json and
+users.parquet). The Parquet files hold each test user's scores.
 """
 
 from pathlib import Path
@@ -15,7 +16,7 @@ from userdp.evaluation.metrics import evaluate_models
 from userdp.evaluation.select import pretrained_metrics
 from userdp.evaluation.targets import EVAL_SPLITS
 from userdp.io import write_json
-from userdp.layout import EVAL, RUN_MODEL
+from userdp.layout import EVAL, EVAL_USERS, RUN_MODEL
 from userdp.logutil import setup_logging
 from userdp.training.targets import sweep_runs
 
@@ -28,12 +29,14 @@ def main() -> None:
     p = sm.params
     pretrained = hasattr(p, "learning_rate")  # rule evaluate_pretrained: one model, no learning rate
     if pretrained:
-        models, rates, outputs = [p.model], [None], [sm.output[0]]
+        models, rates, outputs = [p.model], [None], [sm.output.metrics]
+        users = [sm.output.users]
     else:
         runs = sweep_runs(list(sm.output), EVAL, list(p.learning_rates))
         models = [str(Path(run_dir) / RUN_MODEL) for _, run_dir in runs]
         rates = [lr for lr, _ in runs]
         outputs = [str(Path(run_dir) / EVAL) for _, run_dir in runs]
+        users = [str(Path(run_dir) / EVAL_USERS) for _, run_dir in runs]  # per-user test scores (held-out users)
     results = evaluate_models(
         models,
         sm.input.tokens,
@@ -45,6 +48,7 @@ def main() -> None:
         device=p.untracked["training"]["device"],
         local_model=p.local_model,
         splits=getattr(p, "splits", EVAL_SPLITS),  # absent: both (userdp.evaluation.targets.split_params)
+        users_out=users,
     )
     for model, rate, result, out in zip(models, rates, results, outputs, strict=True):
         result["model"] = str(model)

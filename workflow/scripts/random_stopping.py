@@ -26,7 +26,7 @@ def main() -> None:
         log=str(sm.log[0]),
     )
     random_stopping.run_cell(job, out_metrics=sm.output.metrics, out_ledger=sm.output.ledger,
-                             out_train_log=sm.output.train_log, out_model=str(sm.output.model).rsplit("/", 1)[0])
+                             out_train_log=sm.output.train_log, out_users=sm.output.users, out_model=str(sm.output.model).rsplit("/", 1)[0])
 
 
 userdp.errors.run_main(main, log)

@@ -78,6 +78,7 @@ EXAMPLES = DATA + "/examples.parquet"
 USERS = DATA + "/users.parquet"
 CONTRIBUTIONS = DATA + "/contributions.json"
 CONTRIBUTIONS_DP = DATA + "/contributions_dp.json"
+USER_LABELS = DATA + "/user_labels.parquet"  # per-user group labels (synthetic topic, datasets.<name>.group_column)
 PUBLIC = DATA + "/public.parquet"
 TOKENS = DATA + "/tokens.parquet"
 PUBLIC_TOKENS = DATA + "/public_tokens.parquet"
@@ -138,12 +139,21 @@ EVAL = "eval.json"
 PLAN_FILE = "plan.json"  # the run spec in a run folder written by userdp.fine_tune (the pipeline keeps plans in results/plan/)
 METRICS = "metrics.json"
 PRETRAINED_METRICS = RUNS + "/pretrained/" + METRICS
+# Per-user test scores: eval_users.parquet next to eval.json in a run folder; the chosen (released) run's as
+# users.parquet in the cell folder; the pretrained model's next to its metrics.json.
+EVAL_USERS = "eval_users.parquet"
+USER_SCORES = "users.parquet"
+PRETRAINED_USER_SCORES = RUNS + "/pretrained/" + USER_SCORES
 
 # Summary of a dataset's grid.
 SUMMARY_DIR = "results/summary/{dataset}"
 SUMMARY = SUMMARY_DIR + "/metrics.parquet"
 SUMMARY_CSV = SUMMARY_DIR + "/metrics.csv"
 TRAIN_CURVES = SUMMARY_DIR + "/train_curves.parquet"
+# Who pays for privacy: every evaluated test user's loss per run, and the cost of privacy per user group.
+SUMMARY_USERS = SUMMARY_DIR + "/users.parquet"
+GROUPS = SUMMARY_DIR + "/groups.parquet"
+GROUPS_CSV = SUMMARY_DIR + "/groups.csv"
 
 # The findings table of a study (findings.name): each claim's effect, interval and verdict.
 FINDINGS_DIR = "results/findings"
@@ -197,6 +207,8 @@ LOG_EVALUATE_PRETRAINED = LOGS + "/evaluate/{dataset}/pretrained.log"
 LOG_SELECT_LR = LOGS + "/select_lr/{dataset}/{cell}.log"
 LOG_RANDOM_STOPPING = LOGS + "/random_stopping/{dataset}/{cell}.log"
 LOG_AGGREGATE = LOGS + "/aggregate/{dataset}.log"
+LOG_GROUPS = LOGS + "/groups/{dataset}.log"
+LOG_USER_LABELS = LOGS + "/data/user_labels_{dataset}.log"
 LOG_MEAN_ESTIMATION_CALIBRATION = LOGS + "/mean_estimation/calibration.log"
 LOG_MEAN_ESTIMATION = LOGS + "/mean_estimation/run.log"
 LOG_AUDIT_CANARIES = LOGS + "/audit/{dataset}/canaries.log"

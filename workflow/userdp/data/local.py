@@ -8,6 +8,10 @@ Spec keys (`datasets.<name>.<key>`), defaults in brackets:
 - `user_column` [`user_id`]: the column with the user id (the privacy unit).
   Strings or integers; integers are turned into their decimal text.
 - `text_column` [`text`]: the column with one example's text.
+- `group_column` [null]: a column with a label that is constant per user (a
+  language, a region): the user's group in the cost-of-privacy table
+  (userdp.evaluation.groups). Read only by `user_labels`; a user whose rows
+  carry different labels (or no label) is an error naming the user.
 - `max_examples` [null]: stop after this many rows.
 
 Every file is streamed in batches: Parquet by row groups
@@ -28,6 +32,7 @@ counts them.
 from __future__ import annotations
 
 import codecs
+import copy
 import csv
 import json
 import logging
@@ -87,6 +92,10 @@ class LocalSource:
         self.path = Path(spec["path"]).expanduser()
         self.user_column = spec.get("user_column") or "user_id"
         self.text_column = spec.get("text_column") or "text"
+        self.group_column = spec.get("group_column") or None
+        if self.group_column is not None and not isinstance(self.group_column, str):
+            raise ConfigError(f"datasets.{name}.group_column is {self.group_column!r}; it must be a column name "
+                              "(a string) or null.")
         self.max_examples = max_examples(name, spec)
         fmt = spec.get("format") or "auto"
         if fmt == "auto":
@@ -341,6 +350,42 @@ class LocalSource:
                 f"'{self.user_column}' and '{self.text_column}'."
             )
         log.info("%s: read %d rows from %s", self.name, total, self.path)
+
+    def user_labels(self, batch_rows: int = 10_000) -> pa.Table | None:
+        """Each user's label from `group_column` (kind "label"), or None without one.
+
+        The rows are read as `iter_batches` reads them (same formats, checks and max_examples), with the group
+        column in the text column's place. Raises DataError naming the file and the user when a user's rows
+        carry two labels, and the row when a label is missing.
+        """
+        if self.group_column is None:
+            return None
+        view = copy.copy(self)
+        view.text_column = self.group_column
+        parts = []
+        for batch in view.iter_batches(batch_rows):
+            users, labels = batch.column(0), batch.column(1)
+            missing = pc.or_kleene(pc.is_null(labels), pc.equal(labels, ""))
+            if pc.any(missing).as_py():
+                i = pc.index(missing, True).as_py()
+                raise self._err(
+                    f"user {users[i].as_py()!r} has a row without a label in group column '{self.group_column}' "
+                    f"(datasets.{self.name}.group_column); give every row its user's label.")
+            parts.append(pa.table({"user_id": users, "label": labels}))
+        table = pa.concat_tables(parts).group_by(["user_id", "label"]).aggregate([])
+        counts = table.group_by("user_id").aggregate([("label", "count")])
+        bad = counts.filter(pc.greater(counts.column("label_count"), 1))
+        if bad.num_rows:
+            user = bad.column("user_id")[0].as_py()
+            seen = sorted(table.filter(pc.equal(table.column("user_id"), user)).column("label").to_pylist())
+            raise self._err(
+                f"user {user!r} has rows with different labels {seen[:5]} in group column '{self.group_column}' "
+                f"({bad.num_rows} such user(s)); datasets.{self.name}.group_column must be constant per user "
+                "(a user's language or region). Fix the labels or drop the key.")
+        table = table.sort_by("user_id")
+        return pa.table({"user_id": table.column("user_id"),
+                         "kind": pa.array(["label"] * table.num_rows, pa.string()),
+                         "label": table.column("label")})
 
     def has_public(self) -> bool:
         # No built-in public part; a `public` key gives one (open_source wraps

@@ -71,7 +71,8 @@ SOURCES: dict[str, SourceType] = {
                    frozenset({"path", "url", "sha256", "splits", "include_title"})),
         SourceType("cc_news", "cc_news.CCNewsSource",
                    frozenset({"path", "hub_name", "hub_split", "streaming", "include_title"})),
-        SourceType("local", "local.LocalSource", frozenset({"path", "format", "user_column", "text_column"})),
+        SourceType("local", "local.LocalSource",
+                   frozenset({"path", "format", "user_column", "text_column", "group_column"})),
         SourceType("fortunes", "fortunes.FortunesSource", frozenset({"path"}), _always),
     )
 }

@@ -8,6 +8,13 @@ A seeded generator with the properties the study's conclusions depend on:
   * 1); each example draws one topic z ~ theta_u and all its sentences come
   from that topic's language model. Small alpha: a user writes about one
   topic; large alpha: a user's examples are spread over topics;
+- an optional minority structure: `topic_weights` (one positive weight per
+  topic) makes the prior Dirichlet(alpha * K * w / sum(w)), so topic k is
+  the main topic of about a share w_k / sum(w) of users; topics whose weight
+  is below half the largest are "rare" (`RARE_TOPIC_FRACTION`), and each
+  user's label (`user_labels`: "rare" or "common", from the user's main
+  topic argmax theta_u) is the topic group of userdp.evaluation.groups.
+  Null (the default) is the uniform prior, bit for bit as before the key;
 - topic language models over a real English vocabulary: sentences follow a
   small grammar (templates of determiners, adjectives, nouns, verbs,
   prepositions, ...) whose content words come from a topic-specific Zipf
@@ -144,8 +151,12 @@ DEFAULTS: dict = {
     "zipf_exponent": 1.0,
     "background_mass": 0.1,
     "collocation_prob": 0.5,
+    "topic_weights": None,
     "seed": None,
 }
+
+#: A topic is rare when its weight (synthetic.topic_weights) is below this fraction of the largest weight.
+RARE_TOPIC_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,7 @@ class SyntheticSpec:
     zipf_exponent: float
     background_mass: float
     collocation_prob: float
+    topic_weights: tuple[float, ...] | None
     seed: int
 
     @classmethod
@@ -197,7 +209,28 @@ class SyntheticSpec:
         for key in ("extra_sentence_prob", "background_mass", "collocation_prob"):
             need(key, isinstance(v[key], (int, float)) and 0 <= v[key] <= 1, "a number in [0, 1]")
         need("contributions_median", v["contributions_median"] <= v["max_contributions"], "at most max_contributions")
+        w = v["topic_weights"]
+        if w is not None:
+            ok = (isinstance(w, list) and len(w) == v["n_topics"]
+                  and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in w))
+            need("topic_weights", ok, f"null or a list of n_topics ({v['n_topics']}) numbers > 0, one relative "
+                 "weight per topic (e.g. [1, 1, 1, 1, 1, 1, 0.25, 0.25]: two rare topics)")
+            v["topic_weights"] = tuple(float(x) for x in w)
         return cls(**{k: v[k] for k in DEFAULTS})
+
+    def topic_prior(self) -> np.ndarray:
+        """The Dirichlet parameter of the users' topic mixtures: alpha * 1, or alpha * K * w / sum(w)."""
+        if self.topic_weights is None:
+            return np.full(self.n_topics, float(self.alpha))
+        w = np.asarray(self.topic_weights, dtype=float)
+        return self.alpha * self.n_topics * w / w.sum()
+
+    def rare_topics(self) -> list[int]:
+        """Topics whose weight is below RARE_TOPIC_FRACTION of the largest (none without topic_weights)."""
+        if self.topic_weights is None:
+            return []
+        top = max(self.topic_weights)
+        return [k for k, x in enumerate(self.topic_weights) if x < RARE_TOPIC_FRACTION * top]
 
 
 # ---------------------------------------------------------------- topic models
@@ -367,9 +400,10 @@ class SyntheticSource:
         self.models = TopicModels(p.n_topics, p.zipf_exponent, p.background_mass, p.seed)
         rng = np.random.default_rng(np.random.SeedSequence([p.seed, 0x05E25]))
         self.n_examples = contribution_counts(p.n_users, p.contributions_median, p.contributions_sigma, p.max_contributions, rng)
-        # theta_u ~ Dirichlet(alpha * 1). numpy's Dirichlet underflows to NaN
+        # theta_u ~ Dirichlet(alpha * 1) (or the topic_weights prior). numpy's Dirichlet underflows to NaN
         # for very small alpha; normalised Gamma draws with a floor do not.
-        g = rng.standard_gamma(p.alpha, size=(p.n_users, p.n_topics))
+        shape = p.alpha if p.topic_weights is None else p.topic_prior()  # a scalar keeps the uniform draws as before
+        g = rng.standard_gamma(shape, size=(p.n_users, p.n_topics))
         g[np.arange(p.n_users), np.argmax(g, axis=1)] += 1e-300
         self.theta = g / g.sum(axis=1, keepdims=True)
 
@@ -379,6 +413,15 @@ class SyntheticSource:
 
     def has_public(self) -> bool:
         return self.params.public_examples > 0
+
+    def user_labels(self, batch_rows: int = 10_000) -> pa.Table:
+        """Each user's topic group: "rare" if the user's main topic (argmax theta_u) is a rare topic of
+        `topic_weights` (SyntheticSpec.rare_topics), else "common" (kind "topic"; userdp.evaluation.groups)."""
+        rare = np.isin(np.argmax(self.theta, axis=1), self.params.rare_topics())
+        labels = np.where(rare, "rare", "common")
+        n = self.params.n_users
+        return pa.table({"user_id": self.user_ids(0, n), "kind": pa.array(["topic"] * n, pa.string()),
+                         "label": pa.array(labels.tolist(), pa.string())})
 
     def user_ids(self, start: int, stop: int) -> pa.Array:
         width = max(6, len(str(self.params.n_users - 1)))

@@ -10,6 +10,7 @@ import re
 
 from .. import layout
 from ..errors import ConfigError
+from .labels import has_labels
 from .sources import has_public_part
 from .tokenize import public_dataset_name
 
@@ -30,6 +31,15 @@ def public_datasets(config: dict) -> list[str]:
 
 def public_datasets_regex(config: dict) -> str:
     return names_regex(public_datasets(config))
+
+
+def labelled_datasets(config: dict) -> list[str]:
+    """Datasets whose users have group labels (userdp.data.labels.has_labels), decided from the config alone."""
+    return [n for n, s in config["datasets"].items() if has_labels(s)]
+
+
+def labelled_datasets_regex(config: dict) -> str:
+    return names_regex(labelled_datasets(config))
 
 
 def public_parquet_targets(config: dict) -> list[str]:

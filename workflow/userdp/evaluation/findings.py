@@ -20,6 +20,12 @@ ULS - ELS (negative = ULS better). Mean estimation: differences of mean
 log squared error (log(ULS error / ELS error); -0.1 = ULS about 10% lower).
 Deterministic effects (the accounting ratios, the pretrained model's loss)
 have no seed variance: their interval is the point.
+
+Claims 11-14 (`group_findings`, who pays for privacy) are a separate block:
+differences of per-group costs of privacy (loss minus the non-private
+reference's) from the per-user tables of userdp.evaluation.groups, with 95%
+bootstrap intervals over users and seeds instead of Welch intervals; the
+verdict is formed by the same `verdict`.
 """
 
 from __future__ import annotations
@@ -386,16 +392,63 @@ def accounting_findings(comparison: pd.DataFrame) -> list[Finding]:
     return out
 
 
+# ------------------------------------------------------------------ who pays for privacy (user groups)
+GROUPS = "user groups"
+
+#: claim id -> the group claim (issue 25's F1-F4), stated before it was measured (docs/findings.md).
+GROUP_CLAIMS = {
+    11: "(F1) DP costs rare-topic users more than common-topic users",
+    12: "(F2) the cost of privacy grows as epsilon shrinks",
+    13: "(F3) ELS (median rule) costs heavy contributors (above G) more than ULS does",
+    14: "(F4) ULS has a smaller disparity between user groups than ELS (equal epsilon and compute)",
+}
+_GROUP_KEYS = {11: ("F1", ">", "groups_cost"), 12: ("F2", ">", "groups_cost"),
+               13: ("F3", ">", "groups_gap_vs_examples"), 14: ("F4", "<", "groups_cost")}
+
+
+def group_findings(users: Mapping[str, pd.DataFrame], settings: Mapping, seed: int) -> list[Finding]:
+    """Claims 11-14 on each dataset's per-user table (userdp.evaluation.groups): effects are differences of
+    costs (loss minus the non-private reference's, nats/token) with 95% bootstrap intervals over users and
+    seeds; the verdict by `verdict` against 0."""
+    from . import groups as g
+
+    unit = "nats/token (loss gap to the non-private reference)"
+    opts = g.Settings.from_config(settings, seed)
+    effects: dict[int, list] = {i: [] for i in GROUP_CLAIMS}
+    why: dict[int, list[str]] = {i: [] for i in GROUP_CLAIMS}
+    for dataset, table in users.items():
+        model = g.CostModel(table, opts, dataset)
+        measured = g.claim_effects(model, dataset, g.users_group_size(table))
+        for claim_id, (key, _, _) in _GROUP_KEYS.items():
+            got = measured[key]
+            (why if isinstance(got, str) else effects)[claim_id] += [got] if isinstance(got, str) else got
+    out = []
+    for claim_id, claim in GROUP_CLAIMS.items():
+        _, direction, figure = _GROUP_KEYS[claim_id]
+        if not effects[claim_id]:
+            out.append(Finding(claim_id, GROUPS, claim, None, None, None, direction, 0.0, NOT_MEASURED, "", "",
+                               figure, "; ".join(why[claim_id]) or "no per-user tables"))
+            continue
+        for e in effects[claim_id]:
+            out.append(Finding(claim_id, GROUPS, claim, e.effect, e.low, e.high, direction, 0.0,
+                               verdict(e.low, e.high, direction, 0.0), unit, e.measured_at, figure,
+                               e.detail + "; 95% bootstrap interval over users and seeds"))
+    return out
+
+
 # ------------------------------------------------------------------ the table
 def build(summaries, pretrained, diversity, sweep_point, me_results, comparison, loss_tolerance: float,
-          relative_tolerance: float, name: str, audit: list[Finding] | None = None) -> dict:
-    """The findings table; `audit`: the audit's findings (audit_findings, or the not-measured row), after the
-    study's claims."""
+          relative_tolerance: float, name: str, audit: list[Finding] | None = None,
+          groups: tuple[Mapping[str, pd.DataFrame], Mapping, int] | None = None) -> dict:
+    """The findings table, in claim order; `audit`: the audit's findings (audit_findings, or the not-measured
+    row); `groups`, if given, is (per-user table by dataset, the groups section, the seed) of
+    claims 11-14 (`group_findings`)."""
     findings = lm_findings(summaries, pretrained, diversity, sweep_point, loss_tolerance)
+    findings += group_findings(*groups) if groups is not None else []
     findings += accounting_findings(comparison) if comparison is not None else []
     findings += me_findings(me_results, relative_tolerance) if me_results is not None else []
-    findings.sort(key=lambda f: (f.claim_id, f.domain != LM))
     findings += list(audit or [])
+    findings.sort(key=lambda f: (f.claim_id, f.domain != LM))
     counts = {v: sum(f.verdict == v for f in findings) for v in VERDICTS}
     return {
         "study": name,

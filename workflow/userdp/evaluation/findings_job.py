@@ -28,6 +28,7 @@ def inputs(config: Mapping) -> dict[str, list[str] | str]:
         "pretrained": [layout.PRETRAINED_METRICS.format(dataset=d) for d in datasets],
         "comparison": layout.ACCOUNTING_COMPARISON,
         "mean_estimation": layout.MEAN_ESTIMATION_RESULTS,
+        "users": [layout.SUMMARY_USERS.format(dataset=d) for d in datasets],  # claims 11-14 (user groups)
     }
     if config["findings"]["audit"]:  # claim 9 reads the audit: the findings rule then runs it
         wild = [layout.audit_wildcards(c, config) for c in layout.audit_cells(config)]
@@ -50,7 +51,9 @@ def params(config: Mapping) -> dict:
             "audit_cells": [[c.dataset, c.method, layout.fmt_num(c.epsilon)] for c in layout.audit_cells(config)]
             if config["findings"]["audit"] else [],
             "diversities": {d: diversity_of(config, d) for d in datasets},
-            "group_sweep_point": layout.group_sweep_point(config)}
+            "group_sweep_point": layout.group_sweep_point(config),
+            # claims 11-14: the groups section (as rule groups reads it) and the seed of the bootstrap draws
+            "groups": {k: v for k, v in config["groups"].items() if k != "per_user_points"}, "seed": config["seed"]}
 
 
 def audit_rows(params: Mapping, audit_results: Sequence[str], audit_scores: Sequence[str]) -> list:
@@ -68,8 +71,9 @@ def audit_rows(params: Mapping, audit_results: Sequence[str], audit_scores: Sequ
 
 def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], comparison: str,
         mean_estimation: str, out_json: str, out_csv: str, audit_results: Sequence[str] = (),
-        audit_scores: Sequence[str] = ()) -> dict:
-    """The findings table from the finished tables; `params` as `params(config)` gives them."""
+        audit_scores: Sequence[str] = (), users: Sequence[str] | None = None) -> dict:
+    """The findings table from the finished tables; `params` as `params(config)` gives them; `users`: each
+    dataset's per-user table (claims 11-14; None leaves them out)."""
     datasets = list(params["datasets"])
     tables = {d: read_frame(p) for d, p in zip(datasets, summaries)}
     pre = {}
@@ -82,6 +86,8 @@ def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], co
         read_frame(mean_estimation), read_frame(comparison),
         float(spec["loss_tolerance"]), float(spec["relative_tolerance"]), spec["name"],
         audit=audit_rows(params, audit_results, audit_scores),
+        groups=None if users is None else ({d: read_frame(p) for d, p in zip(datasets, users)},
+                                           params["groups"], int(params["seed"])),
     )
     write_json(out_json, result)
     write_csv(out_csv, findings.table(result))

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
-from ..io import read_schema
+from ..io import read_schema, write_parquet
 from ..seeding import derive_seed_crc32
 from ..training.models import load_model, resolve_device
 from .targets import EVAL_SPLITS
@@ -169,18 +169,34 @@ def sequence_scores(
     return nll, correct, n_targets
 
 
+#: Columns of the per-user scores (`per_user_scores`; the artifact eval_users.parquet, docs/artifacts.md).
+USER_SCORE_COLUMNS = ("user_id", "nll", "n_tokens", "n_examples", "loss")
+
+
+def per_user_scores(nll: np.ndarray, n_targets: np.ndarray, user_ids: Sequence[str]) -> pd.DataFrame:
+    """Per user (sorted): summed next-token NLL, target tokens, examples and the user's own token-average loss.
+
+    Users whose rows hold no target token (only bos) keep n_tokens 0 and a NaN loss.
+    """
+    df = pd.DataFrame({"user_id": list(user_ids), "nll": np.asarray(nll, dtype=np.float64),
+                       "n_tokens": np.asarray(n_targets, dtype=np.int64), "n_examples": 1})
+    per_user = df.groupby("user_id", sort=True)[["nll", "n_tokens", "n_examples"]].sum().reset_index()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_user["loss"] = np.where(per_user["n_tokens"] > 0, per_user["nll"] / per_user["n_tokens"], np.nan)
+    return per_user[list(USER_SCORE_COLUMNS)]
+
+
 def summarise(nll: np.ndarray, correct: np.ndarray, n_targets: np.ndarray, user_ids: Sequence[str]) -> dict:
     """Micro (token) and macro (user) averages of per-sequence sums."""
     total = int(n_targets.sum())
     if total == 0:
         raise DataError("the evaluation set has no target tokens (every row is only the bos token).")
-    df = pd.DataFrame({"user": list(user_ids), "nll": nll, "n": n_targets})
-    per_user = df.groupby("user", sort=True)[["nll", "n"]].sum()
-    per_user = per_user[per_user["n"] > 0]
+    per_user = per_user_scores(nll, n_targets, user_ids)
+    per_user = per_user[per_user["n_tokens"] > 0]
     loss = float(nll.sum() / total)
     return {
         "loss": loss,
-        "loss_user_macro": float((per_user["nll"] / per_user["n"]).mean()),
+        "loss_user_macro": float(per_user["loss"].mean()),
         "perplexity": math.exp(loss) if loss < 700 else math.inf,
         "accuracy": float(correct.sum() / total),
         "n_tokens": total,
@@ -189,10 +205,14 @@ def summarise(nll: np.ndarray, correct: np.ndarray, n_targets: np.ndarray, user_
     }
 
 
-def evaluate_set(model: torch.nn.Module, eval_set: EvalSet, batch_size: int, device: torch.device | str) -> dict:
-    """The metrics of `model` on one evaluation set."""
-    scores = sequence_scores(model, eval_set.sequences, batch_size, device)
-    return summarise(*scores, eval_set.user_ids)
+def evaluate_set(model: torch.nn.Module, eval_set: EvalSet, batch_size: int, device: torch.device | str,
+                 users_out: str | os.PathLike | None = None) -> dict:
+    """The metrics of `model` on one evaluation set; with `users_out`, its per-user scores written there too."""
+    nll, correct, n_targets = sequence_scores(model, eval_set.sequences, batch_size, device)
+    metrics = summarise(nll, correct, n_targets, eval_set.user_ids)
+    if users_out is not None:
+        write_parquet(users_out, per_user_scores(nll, n_targets, eval_set.user_ids))
+    return metrics
 
 
 def evaluate_model(model_path: str | os.PathLike, tokens_path: str | os.PathLike, **options) -> dict:
@@ -216,14 +236,23 @@ def evaluate_models(
     device: str = "auto",
     local_model: bool = True,
     splits: Sequence[str] = EVAL_SPLITS,
+    users_out: Sequence[str | os.PathLike | None] | None = None,
 ) -> list[dict]:
     """`evaluate_model` of each model in turn (one job of rule evaluate: a cell's learning rates).
 
     The evaluation users and their rows are read once and shared: every model
     sees exactly the sets `evaluate_model` would give it alone. `splits` are the held-out splits scored
     (userdp.evaluation.targets.evaluated_splits), each on the same users whichever others are scored.
+    `users_out`, if given, holds one path (or None) per model: that model's per-user scores on the TEST users
+    (`per_user_scores`) are written there (eval_users.parquet; test users only, never validation users).
     """
     splits = list(splits)
+    if users_out is not None:
+        users_out = list(users_out)
+        if len(users_out) != len(model_paths):
+            raise ValueError(f"users_out needs one path per model ({len(model_paths)}), not {len(users_out)}")
+        if any(u is not None for u in users_out) and "test" not in splits:
+            raise ValueError("per-user scores are of test users: users_out needs the test split scored")
     if not splits or any(s not in EVAL_SPLITS for s in splits) or len(set(splits)) < len(splits):
         raise ValueError(f"splits must be distinct names out of {EVAL_SPLITS}, not {splits}")
     dev = resolve_device(device)
@@ -232,14 +261,15 @@ def evaluate_models(
         seed = derive_seed_crc32(root_seed, "evaluation", dataset, split)
         eval_sets[split] = load_eval_set(tokens_path, split, max_users, seed)
     results = []
-    for model_path in model_paths:
+    for i, model_path in enumerate(model_paths):
         if len(model_paths) > 1:
             log.info("model %s", model_path)
         model = load_model(model_path, dev, local=local_model).eval()
         out: dict = {}
         for split, eval_set in eval_sets.items():
             log.info("%s: %d users, %d examples", split, len(eval_set.users), len(eval_set.sequences))
-            metrics = evaluate_set(model, eval_set, batch_size, dev)
+            out_users = users_out[i] if users_out is not None and split == "test" else None
+            metrics = evaluate_set(model, eval_set, batch_size, dev, out_users)
             log.info("%s: loss %.4f, user-macro loss %.4f, accuracy %.4f", split, metrics["loss"],
                      metrics["loss_user_macro"], metrics["accuracy"])
             out.update({f"{split}_{k}": v for k, v in metrics.items()})

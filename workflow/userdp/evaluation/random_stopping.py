@@ -53,7 +53,7 @@ from ..privacy.selection import Selection
 from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
 from ..training import checkpoint
-from .select import REPORTED, choose_learning_rate, copy_train_log, with_selection_epsilon
+from .select import REPORTED, choose_learning_rate, copy_train_log, copy_user_scores, with_selection_epsilon
 
 log = logging.getLogger(__name__)
 
@@ -127,16 +127,19 @@ def _train(job: RandomStoppingJob, trial: int, learning_rate: float, run_dir: Pa
 
 
 def _evaluate(job: RandomStoppingJob, model_dir: Path) -> dict[str, Any]:
-    from .metrics import evaluate_model
+    from .metrics import evaluate_models
 
     ev = job.config["evaluation"]
-    return evaluate_model(model_dir, job.tokens, dataset=job.dataset, root_seed=int(job.config["seed"]),
-                          max_users=ev["max_users"], batch_size=int(ev["batch_size"]),
-                          device=job.config["training"]["device"], local_model=True)
+    # each test user's scores next to the run's eval.json (the released run's become the cell's users.parquet)
+    return evaluate_models([model_dir], job.tokens, dataset=job.dataset, root_seed=int(job.config["seed"]),
+                           max_users=ev["max_users"], batch_size=int(ev["batch_size"]),
+                           device=job.config["training"]["device"], local_model=True,
+                           users_out=[Path(model_dir).parent / layout.EVAL_USERS])[0]
 
 
 def run_cell(job: RandomStoppingJob, *, out_metrics: str, out_ledger: str, out_train_log: str, out_model: str,
-             train: Callable[..., None] = _train, evaluate: Callable[..., dict] = _evaluate) -> dict[str, Any]:
+             train: Callable[..., None] = _train, evaluate: Callable[..., dict] = _evaluate,
+             out_users: str | None = None) -> dict[str, Any]:
     """Draw (or resume) the runs, train and score them, release the best; returns the cell's metrics.
 
     train(job, trial, learning_rate, run_dir) and evaluate(job, model_dir) are the finetune job and the
@@ -221,6 +224,8 @@ def run_cell(job: RandomStoppingJob, *, out_metrics: str, out_ledger: str, out_t
 
     _link_or_copy_tree(best_dir / layout.RUN_MODEL, Path(out_model))
     copy_train_log(best_dir / layout.TRAIN_LOG, out_train_log, bool(job.config["training"]["debug_step_log"]))
+    if out_users is not None:
+        copy_user_scores(best_dir / layout.EVAL_USERS, out_users)
     write_json(out_ledger, ledger)
     write_json(out_metrics, metrics)
     checkpoint.remove_checkpoint(work)  # raises when the secret state cannot be deleted

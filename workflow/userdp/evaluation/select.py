@@ -148,6 +148,16 @@ def copy_train_log(src: str | os.PathLike, dst: str | os.PathLike, debug_step_lo
     write_parquet(dst, frame[[c for c in released_columns(debug_step_log) if c in frame.columns]])
 
 
+def copy_user_scores(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """The released run's per-user test scores (eval_users.parquet) as the cell's users.parquet."""
+    from ..io import write_parquet
+
+    if not Path(src).exists():
+        raise DataError(f"{src} does not exist; the evaluate rule should have written it "
+                        "(rerun it: snakemake --forcerun evaluate).")
+    write_parquet(dst, read_frame(src))
+
+
 def with_selection_epsilon(chosen: dict, ledgers: list[dict], paths: list[str],
                            accountant: Callable[..., float] | None = None) -> dict:
     """The chosen run's ledger, its `epsilon` the released model's: the selection among all `ledgers`.
@@ -197,8 +207,11 @@ def select_cell(
     out_ledger: str,
     out_train_log: str,
     debug_step_log: bool = False,
+    user_paths: list[str] | None = None,
+    out_users: str | None = None,
 ) -> dict:
-    """Pick the cell's learning rate, write metrics.json, copy the chosen ledger and train log.
+    """Pick the cell's learning rate, write metrics.json, copy the chosen ledger and train log (and, with
+    `user_paths` and `out_users`, the chosen run's per-user test scores).
 
     The lists are aligned: entry i belongs to `learning_rates[i]`. The train
     log is copied with the columns `training.debug_step_log` allows
@@ -206,6 +219,8 @@ def select_cell(
     """
     if not (len(learning_rates) == len(eval_paths) == len(ledger_paths) == len(train_log_paths)):
         raise ValueError("learning_rates, eval, ledger and train-log paths must be aligned lists")
+    if (user_paths is None) != (out_users is None) or (user_paths is not None and len(user_paths) != len(eval_paths)):
+        raise ValueError("user_paths (one per learning rate) and out_users go together")
     evals = {float(lr): read_json(p) for lr, p in zip(learning_rates, eval_paths)}
     metrics = select(evals)
     i = [float(lr) for lr in learning_rates].index(metrics["learning_rate"])
@@ -214,6 +229,8 @@ def select_cell(
     ledgers = [read_json(p) for p in ledger_paths]
     ledger = with_selection_epsilon(ledgers[i], ledgers, ledger_paths)  # every input read before any output
     copy_train_log(train_log_paths[i], out_train_log, debug_step_log)
+    if user_paths is not None:
+        copy_user_scores(user_paths[i], out_users)
     write_json(out_ledger, ledger)
     write_json(out_metrics, metrics)
     return metrics

@@ -55,10 +55,11 @@ def run_model_files(config: Mapping, dataset: str, cell: str, lr: str) -> list[s
 
 
 def job_eval_outputs(config: Mapping) -> list[str]:
-    """Rule evaluate's outputs: the eval.json of each run folder one job evaluates (training.sweep_jobs)."""
+    """Rule evaluate's outputs: the eval.json and the per-user test scores (eval_users.parquet) of each run folder
+    one job evaluates (training.sweep_jobs)."""
     from ..training.targets import lr_dirs
 
-    return [f"{d}/{layout.EVAL}" for d in lr_dirs(layout.RUN_DIR, config)]
+    return [f"{d}/{name}" for d in lr_dirs(layout.RUN_DIR, config) for name in (layout.EVAL, layout.EVAL_USERS)]
 
 
 def job_model_files(config: Mapping, wildcards: Mapping) -> list[str]:
@@ -68,6 +69,12 @@ def job_model_files(config: Mapping, wildcards: Mapping) -> list[str]:
     w = dict(wildcards.items())
     return [f for d in lr_dirs(layout.RUN_DIR, config)
             for f in model_folder_files(f"{d.format(**w)}/{layout.RUN_MODEL}", config)]
+
+
+def cell_user_scores(config: Mapping, dataset: str) -> list[str]:
+    """The per-user test scores (users.parquet) of every cell of `dataset`'s grid (rule groups' input), in the
+    order of `layout.iter_cells`."""
+    return [f"{c.run_dir}/{layout.USER_SCORES}" for c in layout.iter_cells(config) if c.dataset == dataset]
 
 
 def lr_run_files(config: Mapping, dataset: str, cell: str, name: str) -> list[str]:
@@ -98,11 +105,27 @@ def summary_inputs(config: dict, dataset: str) -> dict[str, list[str]]:
 
 
 def evaluation_targets(config: dict) -> list[str]:
-    """Every cell's metrics.json, the pretrained metrics and the summaries."""
+    """Every cell's metrics.json, the pretrained metrics, the summaries and the group tables."""
     out = [f"{cell.run_dir}/{layout.METRICS}" for cell in layout.iter_cells(config)]
     for name in layout.grid_datasets(config):
         out += [t.format(dataset=name)
-                for t in (layout.PRETRAINED_METRICS, layout.SUMMARY, layout.SUMMARY_CSV, layout.TRAIN_CURVES)]
+                for t in (layout.PRETRAINED_METRICS, layout.SUMMARY, layout.SUMMARY_CSV, layout.TRAIN_CURVES,
+                          layout.SUMMARY_USERS, layout.GROUPS, layout.GROUPS_CSV)]
+    return out
+
+
+def groups_inputs(config: Mapping, dataset: str) -> dict[str, list[str] | str]:
+    """Rule groups' inputs: every cell's and the pretrained model's per-user test scores, the summary (each
+    cell's G) and, where the dataset labels its users (userdp.data.labels), the labels."""
+    from ..data.labels import has_labels
+
+    out: dict[str, list[str] | str] = {
+        "cells": cell_user_scores(config, dataset),
+        "pretrained": layout.PRETRAINED_USER_SCORES.format(dataset=dataset),
+        "summary": layout.SUMMARY.format(dataset=dataset),
+    }
+    if has_labels(config["datasets"][dataset]):
+        out["labels"] = layout.USER_LABELS.format(dataset=dataset)
     return out
 
 

@@ -184,7 +184,10 @@ def _audited_datasets(config: Mapping) -> list[str]:
 # The membership audit (target `audit`, not rule all: it trains its own runs).
 AUDIT = Family("audit", "Privacy audit", _draw_returned_figure, datasets=_audited_datasets, subcategory="{dataset}",
                report_formats=("png",), in_all=False)
-FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT)}
+# Who pays for privacy: the cost of privacy per user group (rule groups' tables), per grid dataset.
+GROUPS = Family("groups", "Who pays for privacy", _draw_returned_figure, datasets=layout.grid_datasets,
+                subcategory="{dataset}", report_formats=("png",))
+FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT, GROUPS)}
 
 #: name -> Figure, in the order of the report.
 FIGURES: dict[str, Figure] = {}
@@ -227,6 +230,18 @@ _register(Figure("lm_loss_vs_group_size", LM, _LM_SUMMARY, "lm.loss_vs_group_siz
                  labels={"figure": "test loss vs group size G"}, params=_group_sweep_point))
 _register(Figure("training_curves", LM, {"curves": layout.TRAIN_CURVES},
                  "lm.training_curves", labels={"figure": "training curves"}))
+def _per_user_points(config: Mapping) -> dict:
+    # groups.per_user_points: per dataset, whether the figure draws a point per held-out test user
+    mode = config["groups"]["per_user_points"]
+    return {"points": {d: mode == "always" or (mode == "synthetic" and config["datasets"][d].get("source")
+                                                == "synthetic") for d in layout.grid_datasets(config)}}
+
+
+_register(Figure("groups_cost", GROUPS, {"groups": layout.GROUPS, "summary": layout.SUMMARY},
+                 "groups.cost_by_group", labels={"figure": "cost of privacy per user group", "dataset": "{dataset}"}))
+_register(Figure("groups_gap_vs_examples", GROUPS, {"users": layout.SUMMARY_USERS, "summary": layout.SUMMARY},
+                 "groups.gap_vs_examples", labels={"figure": "cost of privacy vs the user's examples",
+                                                   "dataset": "{dataset}"}, params=_per_user_points))
 _register(Figure("audit_epsilon", AUDIT, {"summary": layout.AUDIT_SUMMARY}, "audit.empirical_vs_claimed",
                  labels={"figure": "empirical vs claimed epsilon", "dataset": "{dataset}"}))
 _register(Figure("mean_estimation_vs_epsilon", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_epsilon",

@@ -1,0 +1,22 @@
+"""Snakemake script (rule user_labels): each user's group label (synthetic topic, local group_column)."""
+
+import copy
+
+import userdp.errors
+import userdp.logutil
+from userdp.data.labels import write_labels
+from userdp.data.sources import open_source
+from userdp.layout import DOWNLOADS
+
+log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+
+
+def main() -> None:
+    name = snakemake.wildcards.dataset  # noqa: F821
+    spec = copy.deepcopy(dict(snakemake.params.spec))  # noqa: F821
+    source = open_source(name, spec, data_dir=DOWNLOADS, seed=int(snakemake.params.seed))  # noqa: F821
+    n = write_labels(source, snakemake.output[0], int(snakemake.params.untracked["tokenizer"]["batch_rows"]))  # noqa: F821
+    log.info("dataset %s: %d users labelled", name, n)
+
+
+userdp.errors.run_main(main, log)
