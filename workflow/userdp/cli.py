@@ -265,7 +265,10 @@ def _audit_mechanism(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['method']} eps {r['epsilon_target']:g}: claimed {r['epsilon_claimed']:.4g}, empirical lower "
                   f"bound {r['epsilon_lower_bound']:.4g} (ceiling {r['epsilon_lower_bound_ceiling']:.4g}, "
-                  f"{r['canaries']} canaries, {r['confidence']:.0%}); noise std ratio {r['noise_std_ratio']:.3f}"
+                  f"{r['canaries']} canaries, {r['confidence']:.0%})"
+                  + ("" if math.isnan(r["epsilon_lower_bound_fdp"]) else
+                     f", f-DP bound {r['epsilon_lower_bound_fdp']:.4g} (ceiling {r['epsilon_lower_bound_fdp_ceiling']:.4g})")
+                  + f"; noise std ratio {r['noise_std_ratio']:.3f}"
                   + ("  BOUND EXCEEDS CLAIM" if r["bound_exceeds_claim"] else "")
                   + ("  NOISE CHECK FAILED" if r["noise_check_failed"] else ""))
     return 1 if any(r["bound_exceeds_claim"] for r in rows) else 0
