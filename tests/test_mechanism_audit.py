@@ -290,6 +290,13 @@ def test_ceiling_before_training_is_the_audits_ceiling():
     perfect = {name: inc.astype(float) for name in ma.SCORES}
     assert ma.audit_bound(perfect, inc, delta=1e-6, confidence=0.95,
                           guess_fractions=fr)["epsilon_lower_bound"] == got["epsilon_lower_bound_ceiling"]
+    # with the f-DP bound (q = 1): twice the tests, both ceilings as `ceilings` says, each reached by perfect guesses
+    both = ma.audit_bound(perfect, inc, delta=1e-6, confidence=0.95, guess_fractions=fr, gaussian=True)
+    assert both["guess_sets"] == 2 * got["guess_sets"]
+    expected = ma.ceilings(300, 1e-6, 0.95, fr, gaussian=True)
+    assert both["epsilon_lower_bound_ceiling"] == expected["epsilon_lower_bound_ceiling"] < got["epsilon_lower_bound_ceiling"]
+    assert both["epsilon_lower_bound_fdp"] == expected["epsilon_lower_bound_fdp_ceiling"] > expected["epsilon_lower_bound_ceiling"]
+    assert ma.bound_ceiling(300, 1e-6, 0.95, fr, gaussian=True) == expected["epsilon_lower_bound_fdp_ceiling"]
 
 
 def _params(**kw) -> dict:

@@ -307,13 +307,25 @@ def audit_bound(scores: Mapping[str, np.ndarray], included: np.ndarray, *, delta
             "canaries_included": int(included.sum())}
 
 
-def bound_ceiling(canaries: int, delta: float, confidence: float, guess_fractions: Iterable[float],
-                  n_scores: int = len(SCORES), gaussian: bool = False) -> float:
-    """The largest bound an audit of this size can give (all guesses right, the best estimator), before
-    anything trains."""
+def ceilings(canaries: int, delta: float, confidence: float, guess_fractions: Iterable[float],
+             n_scores: int = len(SCORES), gaussian: bool = False) -> dict[str, float]:
+    """The largest bound each estimator of an audit of this size can give (all guesses right), before anything
+    trains: the `epsilon_lower_bound_ceiling` and `epsilon_lower_bound_fdp_ceiling` (NaN without `gaussian`)
+    that `audit_bound` reports."""
     estimators = _estimators(gaussian)
     shapes, level = _shapes_and_level(canaries, n_scores, len(estimators), confidence, guess_fractions)
-    return max(bound_of(canaries, a + b, a + b, delta, level) for bound_of in estimators.values() for a, b in shapes)
+    out = {"epsilon_lower_bound_fdp_ceiling": math.nan}
+    for suffix, bound_of in estimators.items():
+        out[f"epsilon_lower_bound{suffix}_ceiling"] = max(bound_of(canaries, a + b, a + b, delta, level)
+                                                          for a, b in shapes)
+    return out
+
+
+def bound_ceiling(canaries: int, delta: float, confidence: float, guess_fractions: Iterable[float],
+                  n_scores: int = len(SCORES), gaussian: bool = False) -> float:
+    """The largest bound an audit of this size can give (all guesses right, the best estimator)."""
+    return float(np.nanmax(list(ceilings(canaries, delta, confidence, guess_fractions, n_scores,
+                                         gaussian).values())))
 
 
 # ---------------------------------------------------------------- a simulated mechanism (tests, power table)
