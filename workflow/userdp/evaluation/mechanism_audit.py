@@ -289,7 +289,8 @@ def audit_bound(scores: Mapping[str, np.ndarray], included: np.ndarray, *, delta
     estimators = _estimators(gaussian)
     shapes, level = _shapes_and_level(m, len(scores), len(estimators), confidence, guess_fractions)
     sets = [(name, n_in, n_out) for name in scores for n_in, n_out in shapes]
-    out: dict[str, Any] = {"epsilon_lower_bound_fdp": math.nan, "epsilon_lower_bound_fdp_ceiling": math.nan}
+    out: dict[str, Any] = {"epsilon_lower_bound_fdp": math.nan,
+                           **ceilings(m, delta, confidence, guess_fractions, len(scores), gaussian)}
     for suffix, bound_of in estimators.items():
         best = {"eps": 0.0, "score": None, "guesses": 0, "correct": 0}
         for name, n_in, n_out in sets:
@@ -298,8 +299,6 @@ def audit_bound(scores: Mapping[str, np.ndarray], included: np.ndarray, *, delta
             if eps > best["eps"] or best["score"] is None:
                 best = {"eps": eps, "score": name, "guesses": n_in + n_out, "correct": v}
         out[f"epsilon_lower_bound{suffix}"] = best["eps"]
-        out[f"epsilon_lower_bound{suffix}_ceiling"] = max(bound_of(m, r, r, delta, level)
-                                                          for r in {a + b for a, b in shapes})
         if not suffix:
             out.update({"best_score": best["score"], "best_guesses": best["guesses"],
                         "best_correct": best["correct"]})
