@@ -12,6 +12,7 @@ import math
 from fractions import Fraction
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from userdp.evaluation import audit
@@ -172,4 +173,35 @@ def test_audit_figure_shows_claims_bounds_and_the_diagonal(tmp_path):
     path = tmp_path / "summary.parquet"
     df.to_parquet(path)
     FIGURES["audit_epsilon"].draw({"summary": str(path)}, tmp_path / "f.png", tmp_path / "f.pdf", dataset="d")
+    assert (tmp_path / "f.png").stat().st_size > 1000 and (tmp_path / "f.pdf").exists()
+
+
+def test_white_box_figure_plots_each_method_and_process_count(tmp_path):
+    from userdp.plotting.audit import mechanism_vs_claimed
+    from userdp.plotting.registry import FIGURES
+
+    rows = [{"dataset": "d", "method": m, "epsilon_target": 2.0, "epsilon_claimed": 1.999, "epsilon_lower_bound": b,
+             "epsilon_lower_bound_ceiling": 3.9, "epsilon_lower_bound_fdp": f, "epsilon_lower_bound_fdp_ceiling": 6.7,
+             "canaries": 1000, "processes": p}
+            for m, p, b, f in (("els", 1, 0.3, 0.9), ("uls", 1, 0.0, 0.5), ("els", 2, 0.1, 1.2), ("uls", 2, 0.2, 0.7))]
+    fig = mechanism_vs_claimed(pd.DataFrame(rows), dataset="d")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    for series in ("ELS, 1 process", "ELS, 2 processes", "ULS, 1 process", "ULS, 2 processes"):
+        assert series in labels and f"{series}, f-DP bound (Gaussian trade-off)" in labels
+    assert not any("AUC" in label for label in labels)  # the white-box table has no AUC
+    ys = sorted(float(y) for c in ax.collections for _, y in c.get_offsets())
+    assert ys == [0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.2]
+    assert "white-box" in ax.get_title() and "1000 Dirac canary users" in ax.get_title()
+    assert any(ln.get_ydata()[0] == 6.7 for ln in ax.lines) and any(ln.get_ydata()[0] == 3.9 for ln in ax.lines)
+    fig.clf()
+    # one process count: one series per method, named by the method only
+    fig = mechanism_vs_claimed(pd.DataFrame(rows[:2]), dataset="d")
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "ELS" in labels and "ULS" in labels and not any("process" in label for label in labels)
+    fig.clf()
+    path = tmp_path / "mechanism.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    FIGURES["audit_mechanism_epsilon"].draw({"mechanism": str(path)}, tmp_path / "f.png", tmp_path / "f.pdf",
+                                            dataset="d")
     assert (tmp_path / "f.png").stat().st_size > 1000 and (tmp_path / "f.pdf").exists()

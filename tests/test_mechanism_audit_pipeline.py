@@ -59,6 +59,9 @@ def test_snakemake_audit_mechanism_writes_the_table(tmp_path):
         assert (df[col] == value).all(), col
     assert (df["epsilon_lower_bound_fdp"] <= df["epsilon_claimed"]).all() and not df["bound_exceeds_claim"].any()
     assert not df["noise_check_failed"].any()
+    # the target also draws the figure of empirical vs claimed epsilon from the table
+    for fmt in ("png", "pdf"):
+        assert (tmp_path / "work" / f"results/figures/audit_mechanism_epsilon_tiny.{fmt}").stat().st_size > 1000
     # a second run has nothing to do
     again = subprocess.run(cmd[:-1] + ["-n"], capture_output=True, text=True, timeout=300, env=ENV)
     assert again.returncode == 0 and "audit_mechanism_table" not in again.stdout + again.stderr
@@ -109,3 +112,22 @@ def test_cli_not_audited_method_and_bad_config_key(tmp_path):
     bad = _config(tmp_path, mechanism={"canaries": 1})
     proc = _cli("--configfile", str(bad))
     assert proc.returncode == 2 and "audit.mechanism.canaries" in proc.stderr, proc.stderr
+
+
+def test_api_gives_the_cli_row_from_a_file_or_a_mapping(tmp_path):
+    import userdp
+    from userdp.config import load_config_files
+
+    cfg = _config(tmp_path)
+    cli = _cli("--configfile", str(cfg), "--method", "uls", "--epsilon", "2", "--json")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    row = json.loads(cli.stdout)
+    (from_file,) = userdp.audit_mechanism(cfg, method="uls", epsilon=2)
+    (from_mapping,) = userdp.audit_mechanism(load_config_files([cfg]), method="uls", epsilon=2.0)
+    for k in ("epsilon_claimed", "noise_multiplier", "epsilon_lower_bound", "epsilon_lower_bound_fdp",
+              "best_correct", "noise_std_ratio"):
+        assert from_file[k] == pytest.approx(row[k], rel=1e-9), k
+        assert from_mapping[k] == pytest.approx(row[k], rel=1e-9), k
+    assert set(ma.COLUMNS) <= set(from_file)
+    with pytest.raises(userdp.ConfigError, match="epsilon 3 is not audited"):
+        userdp.audit_mechanism(cfg, epsilon=3)

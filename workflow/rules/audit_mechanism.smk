@@ -8,6 +8,7 @@
 import userdp.evaluation.audit_targets as _audit_targets_mech
 import userdp.evaluation.mechanism_audit as mechanism_audit_lib
 from userdp import layout
+from userdp.plotting.registry import figure_targets
 
 
 rule audit_mechanism_table:
@@ -30,6 +31,7 @@ rule audit_mechanism_table:
 
 
 rule audit_mechanism:
-    """Target: the white-box audit of the mechanism, results/audit/{dataset}/mechanism.csv per audited dataset."""
+    """Target: the white-box audit of the mechanism, results/audit/{dataset}/mechanism.csv and its figure per audited dataset."""
     input:
         [layout.AUDIT_MECHANISM.format(dataset=d) for d in _audit_targets_mech.audited_datasets(config)],
+        figure_targets(config, family="audit_mechanism"),

@@ -202,6 +202,30 @@ def load_released(run_dir: str | os.PathLike, *, with_ledger: bool = False, devi
     return (model, read_ledger(folder.parent if folder.name == RUN_MODEL else folder)) if with_ledger else model
 
 
+def audit_mechanism(config: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, Any], *,
+                    method: str | None = None, epsilon: float | None = None, dataset: str = "",
+                    threads: int | None = None) -> list[dict[str, Any]]:
+    """The white-box audit of the user-level mechanism (docs/privacy.md, "White-box audit of the mechanism"):
+    Dirac canary users trained through the real engine for each cell of the config's audit.methods x
+    audit.epsilons (or the one `method` / `epsilon` name), every privatised update scored; one dict per cell
+    with the columns of mechanism.csv (claimed and empirical epsilon, ceilings, the exact noise and divisor
+    checks). `config`: a config file, several (merged over config/config.yaml as `--configfile` does) or a
+    config mapping. A cell the config does not audit is a ConfigError before anything trains. The pipeline's
+    target `audit_mechanism` and `userdp audit-mechanism` run the same audit.
+    """
+    from .config import load_config_files, validate_config
+    from .evaluation import mechanism_audit
+
+    if isinstance(config, Mapping):
+        cfg = validate_config(dict(config), source="userdp.audit_mechanism config")
+    else:
+        cfg = load_config_files(config)
+    params = mechanism_audit.mechanism_params(cfg)
+    mechanism_audit.select_cells(params, method, epsilon)  # a cell not audited fails before training
+    threads = int(cfg["training"]["threads"]) if threads is None else int(threads)
+    return mechanism_audit.run_audit(params, dataset, method=method, epsilon=epsilon, threads=threads)
+
+
 def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_column: str, method: str,
               epsilon: float, compute: int, steps: int, output_dir: str | os.PathLike,
               lora: Mapping[str, Any] | None = None, tokenizer: str | os.PathLike | None = None,

@@ -167,28 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _checked_config(files: Sequence[str], default: str | None, overrides: dict | None = None) -> dict:
-    """Parse each file (naming its line on a syntax error), merge them over the default, validate: as snakemake
-    reads `--configfile FILES` (`--config` entries: `overrides`, merged last); a UserError names the mistake.
+    """The validated config of `--configfile FILES` over `default` (userdp.config.load_config_files)."""
+    from .config import load_config_files
 
-    `default`: the config the files override (None: the repository's config/config.yaml; "none": no default, as
-    with --replace-workflow-config).
-    """
-    from pathlib import Path
-
-    from . import layout
-    from .config import merge_configs, read_config_file, validate_config
-
-    default = default or str(Path(__file__).resolve().parents[2] / layout.DEFAULT_CONFIG)
-    # as snakemake: the files are merged into one override first, which then goes over the default
-    override: dict = {}
-    for f in files:
-        override = merge_configs(override, read_config_file(f))
-    merged = merge_configs({} if default == "none" else read_config_file(default), override)
-    sources = list(files) if default == "none" else [default, *files]
-    if overrides:
-        merged = merge_configs(merged, overrides)
-        sources.append("--config")
-    return validate_config(merged, source=" + ".join(sources))
+    return load_config_files(files, default, overrides)
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -248,14 +230,10 @@ def _export_merged(args: argparse.Namespace) -> int:
 
 def _audit_mechanism(args: argparse.Namespace) -> int:
     """`userdp audit-mechanism`: the white-box audit of the cells the config names (or the one asked for)."""
-    from .evaluation import mechanism_audit
+    from .api import audit_mechanism
 
     try:
-        config = _checked_config(args.configfile, None)
-        params = mechanism_audit.mechanism_params(config)
-        mechanism_audit.select_cells(params, args.method, args.epsilon)  # a cell not audited fails before training
-        rows = mechanism_audit.run_audit(params, args.dataset, method=args.method, epsilon=args.epsilon,
-                                         threads=int(config["training"]["threads"]))
+        rows = audit_mechanism(args.configfile, method=args.method, epsilon=args.epsilon, dataset=args.dataset)
     except UserError as exc:
         print(f"userdp audit-mechanism: error: {exc}", file=sys.stderr)
         return 2

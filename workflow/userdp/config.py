@@ -597,6 +597,29 @@ def load_config(path: str | Path) -> dict:
     return validate_config(read_config_file(path), source=str(path))
 
 
+def load_config_files(files, default: str | None = None, overrides: dict | None = None) -> dict:
+    """Parse each file (naming its line on a syntax error), merge them over the default, validate: as snakemake
+    reads `--configfile FILES` (`--config` entries: `overrides`, merged last); a UserError names the mistake.
+
+    `default`: the config the files override (None: the repository's config/config.yaml; "none": no default, as
+    with --replace-workflow-config).
+    """
+    from .layout import DEFAULT_CONFIG
+
+    files = [files] if isinstance(files, (str, Path)) else list(files)
+    default = default or str(Path(__file__).resolve().parents[2] / DEFAULT_CONFIG)
+    # as snakemake: the files are merged into one override first, which then goes over the default
+    override: dict = {}
+    for f in files:
+        override = merge_configs(override, read_config_file(f))
+    merged = merge_configs({} if default == "none" else read_config_file(default), override)
+    sources = [str(f) for f in files] if default == "none" else [default, *map(str, files)]
+    if overrides:
+        merged = merge_configs(merged, overrides)
+        sources.append("--config")
+    return validate_config(merged, source=" + ".join(sources))
+
+
 #: The dataset name of a run outside the pipeline (userdp.fine_tune): its seeds and artifacts carry it.
 API_DATASET = "data"
 

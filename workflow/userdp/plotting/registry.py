@@ -43,11 +43,15 @@ DrawFn = Callable[[Callable[..., Any], Mapping[str, str], str, str, "str | None"
 
 
 def _load(path: str) -> Any:
-    """A Parquet table as a DataFrame, a JSON file as a dict."""
+    """A Parquet or CSV table as a DataFrame, a JSON file as a dict."""
     from ..io import read_frame, read_json
 
     if path.endswith(".parquet"):
         return read_frame(path)
+    if path.endswith(".csv"):
+        import pandas as pd
+
+        return pd.read_csv(path)
     return read_json(path)
 
 
@@ -184,10 +188,13 @@ def _audited_datasets(config: Mapping) -> list[str]:
 # The membership audit (target `audit`, not rule all: it trains its own runs).
 AUDIT = Family("audit", "Privacy audit", _draw_returned_figure, datasets=_audited_datasets, subcategory="{dataset}",
                report_formats=("png",), in_all=False)
+# The white-box audit of the mechanism (target `audit_mechanism`): the same figure from mechanism.csv.
+AUDIT_MECHANISM = Family("audit_mechanism", "Privacy audit", _draw_returned_figure, datasets=_audited_datasets,
+                         subcategory="{dataset}", report_formats=("png",), in_all=False)
 # Who pays for privacy: the cost of privacy per user group (rule groups' tables), per grid dataset.
 GROUPS = Family("groups", "Who pays for privacy", _draw_returned_figure, datasets=layout.grid_datasets,
                 subcategory="{dataset}", report_formats=("png",))
-FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT, GROUPS)}
+FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT, AUDIT_MECHANISM, GROUPS)}
 
 #: name -> Figure, in the order of the report.
 FIGURES: dict[str, Figure] = {}
@@ -244,6 +251,9 @@ _register(Figure("groups_gap_vs_examples", GROUPS, {"users": layout.SUMMARY_USER
                                                    "dataset": "{dataset}"}, params=_per_user_points))
 _register(Figure("audit_epsilon", AUDIT, {"summary": layout.AUDIT_SUMMARY}, "audit.empirical_vs_claimed",
                  labels={"figure": "empirical vs claimed epsilon", "dataset": "{dataset}"}))
+_register(Figure("audit_mechanism_epsilon", AUDIT_MECHANISM, {"mechanism": layout.AUDIT_MECHANISM},
+                 "audit.mechanism_vs_claimed",
+                 labels={"figure": "empirical vs claimed epsilon, white-box", "dataset": "{dataset}"}))
 _register(Figure("mean_estimation_vs_epsilon", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_epsilon",
                  labels={"figure": "error vs epsilon"}))
 _register(Figure("mean_estimation_vs_diversity", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_diversity",
