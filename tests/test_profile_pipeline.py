@@ -97,3 +97,24 @@ def test_benchmark_paths_mirror_the_logs():
     assert layout.benchmark_of(layout.LOG_FINETUNE).startswith("results/benchmarks/finetune/{dataset}/")
     with pytest.raises(ValueError, match="not a log template"):
         layout.benchmark_of("results/other/x.log")
+
+
+@pytest.mark.integration
+def test_cpu_of_command_counts_the_descendants_and_passes_the_exit_status(tmp_path):
+    import re
+    import subprocess
+
+    # a child that starts a grandchild burning about 0.6 s of CPU, then exits 3
+    burn = ("import time; t = time.process_time()\n"
+            "while time.process_time() - t < 0.6: pass\n")
+    child = (f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}], check=True); sys.exit(3)")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_of_command.py"), "--", sys.executable, "-c",
+                           child], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    m = re.search(r"exit status 3; wall ([\d.]+) s; CPU of the command and its descendants ([\d.]+) s", proc.stderr)
+    assert m, proc.stderr
+    wall, cpu = float(m.group(1)), float(m.group(2))
+    assert cpu >= 0.6 and wall > 0 and "machine idle" in proc.stderr
+    none = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_of_command.py")], capture_output=True,
+                          text=True, timeout=60)
+    assert none.returncode == 2 and "give the command to run after --" in none.stderr
