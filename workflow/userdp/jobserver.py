@@ -463,11 +463,13 @@ def _wait_job(conn: socket.socket, pid: int, log) -> int:
     watch = [conn] + ([pidfd] if pidfd is not None else [])
     client_alive = True
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if not done and not client_alive:
+            done, status, usage = os.wait4(pid, 0)
         if done:
-            return status
-        if not client_alive:
-            _, status = os.waitpid(pid, 0)
+            # Snakemake's benchmark files see only the client's process: the job's CPU time and peak RSS
+            # (with its waited-for children) are here.
+            log(f"job pid {pid}: cpu {usage.ru_utime + usage.ru_stime:.2f} s, max rss {usage.ru_maxrss / 1024:.0f} MB")
             return status
         ready, _, _ = select.select(watch, [], [], 0.5 if pidfd is None else None)
         if conn in ready:
