@@ -331,7 +331,7 @@ def test_server_gone_means_in_process(client, tmp_path):
     assert res.returncode == 0 and "delegated True" in res.stdout
     srv.stdin.close()  # what the death of the parent does
     assert srv.wait(timeout=60) == 0 and not sock.exists()
-    assert "parent gone: stopping" in (tmp_path / "js.log").read_text()
+    assert "stdin closed" in (tmp_path / "js.log").read_text()
     res = _run_client(client, str(sock), MODE="exit", CODE="5")
     assert res.returncode == 5 and "delegated False" in res.stdout
     res = _run_client(client, "", MODE="exit", CODE="0")
@@ -382,3 +382,22 @@ def test_training_stage_same_with_and_without_the_server(train_stage, tmp_path_f
     assert rules == ["finetune", "finetune", "pretrain"], log
     assert log.count(" ended: exit 0") == 3 and "server stopped" in log
     assert not (off / "results/logs/jobserver.log").exists()
+
+
+@pytest.mark.integration
+def test_failing_delegated_job_fails_the_run_with_its_message(train_stage, monkeypatch):
+    """A fine-tuning job whose plan is not JSON: snakemake reports the job failed, its log has the reason."""
+    from userdp.layout import iter_cells
+
+    monkeypatch.delenv(jobserver.ENV, raising=False)
+    root = train_stage.root
+    cell = next(iter(iter_cells(train_stage.config)))
+    (root / cell.plan_path).write_text("{not json")
+    res = train_stage.snakemake()
+    assert res.returncode != 0
+    assert "Error in rule finetune" in res.stdout + res.stderr
+    job_log = root / f"results/logs/finetune/tiny/method~{cell.method}/eps~8/budget~24/seed~0.log"
+    assert f"error: {cell.plan_path} is not a readable JSON file" in job_log.read_text(), job_log.read_text()
+    server_log = (root / "results/logs/jobserver.log").read_text()
+    assert "rule finetune ended: exit 2" in server_log, server_log  # run_main's exit code for a UserError
+    assert "rule finetune ended: exit 0" in server_log  # the other cell's job

@@ -355,7 +355,7 @@ def serve(sock_path: str, modules: list[str], log_path: str | None = None, paren
             _reap()
             if parent_fd is not None and parent_fd in ready:
                 if not os.read(parent_fd, 4096):
-                    log("parent gone: stopping")
+                    log("stdin closed (stop(), or the process that started the server is gone): stopping")
                     break
             if lsock in ready:
                 try:
@@ -375,7 +375,7 @@ def serve(sock_path: str, modules: list[str], log_path: str | None = None, paren
     finally:
         lsock.close()
         _unlink(sock_path)
-        log(f"server stopped ({', '.join(stop) or 'asked'}); rss {rss_mb():.0f} MB")
+        log(f"server stopped ({', '.join(stop) or 'stdin closed'}); rss {rss_mb():.0f} MB")
     return 0
 
 
