@@ -21,6 +21,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,31 @@ def test_delegate_in_a_job_child_returns_at_once(monkeypatch, tmp_path):
     monkeypatch.setattr(jobserver, "_IN_JOB", True)
     monkeypatch.setattr(jobserver, "_connect", lambda path: pytest.fail("a job child must not connect"))
     assert jobserver.delegate({"rule": "x"}, script=__file__) is None
+
+
+@pytest.mark.parametrize("change, starts", [
+    ({}, True),
+    ({"dryrun": True}, False),
+    ({"touch": True}, False),
+    ({"local_exec": False}, False),  # --executor slurm and the like
+    ({"is_main_process": False}, False),  # a job's own snakemake process
+    ({"deployment_settings": types.SimpleNamespace(deployment_method={"conda"})}, False),
+])
+def test_started_only_for_the_main_process_of_a_local_run(monkeypatch, change, starts):
+    calls = []
+    monkeypatch.setattr(jobserver, "start", lambda log_path: calls.append(log_path) or "/tmp/x/s")
+    wf = types.SimpleNamespace(is_main_process=True, local_exec=True, dryrun=False, touch=False,
+                               deployment_settings=types.SimpleNamespace(deployment_method=frozenset()))
+    for key, value in change.items():
+        setattr(wf, key, value)
+    got = jobserver.start_for_workflow(wf, "results/logs/jobserver.log")
+    assert (got == "/tmp/x/s") == starts and calls == (["results/logs/jobserver.log"] if starts else [])
+
+
+def test_start_is_off_when_the_variable_is_empty(monkeypatch):
+    monkeypatch.setenv(jobserver.ENV, "")
+    monkeypatch.setattr(jobserver, "_server", None)
+    assert jobserver.start("unused.log") is None  # before any process or folder is made
 
 
 def test_exit_codes_follow_the_interpreter():

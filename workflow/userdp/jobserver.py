@@ -682,8 +682,12 @@ def stop(timeout_s: float = 10.0) -> None:
 
 
 def start_for_workflow(workflow, log_path: str | None) -> str | None:
-    """`start` in the main process of a local, real run (not a dry run, --touch or a remote executor)."""
+    """`start` in the main process of a local, real run (not a dry run, --touch or a remote executor), and
+    not with --software-deployment-method (conda, apptainer): those jobs run another environment's Python."""
     if not (workflow.is_main_process and workflow.local_exec and not workflow.dryrun and not workflow.touch):
+        return None
+    settings = getattr(workflow, "deployment_settings", None)
+    if settings is not None and settings.deployment_method:
         return None
     return start(log_path)
 
