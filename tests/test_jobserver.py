@@ -358,10 +358,34 @@ def test_server_gone_means_in_process(client, tmp_path):
     srv.stdin.close()  # what the death of the parent does
     assert srv.wait(timeout=60) == 0 and not sock.exists()
     assert "stdin closed" in (tmp_path / "js.log").read_text()
+    assert tmp_path.exists()  # a folder not made by start() stays
     res = _run_client(client, str(sock), MODE="exit", CODE="5")
     assert res.returncode == 5 and "delegated False" in res.stdout
     res = _run_client(client, "", MODE="exit", CODE="0")
     assert res.returncode == 0 and "delegated False" in res.stdout
+
+
+@pytest.mark.integration
+def test_killed_starter_leaves_no_server_and_no_folder():
+    """kill -9 of the process that started the server (a killed snakemake): no orphan, no socket folder."""
+    code = ("import os, sys; import userdp.jobserver as j; p = j.start(None, modules=['numpy'], wait_s=60); "
+            "print(p, os.getpid(), flush=True); os.kill(os.getpid(), 9)")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "workflow"))
+    env.pop(jobserver.ENV, None)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == -9, res.stderr
+    sock = Path(res.stdout.split()[0])
+    assert sock.name == "s" and sock.parent.name.startswith("userdp-js-")
+    assert _wait_for(lambda: not sock.parent.exists(), timeout=60), f"{sock.parent} outlived its starter"
+    servers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(sock).encode() in _cmdline(p)]
+    assert servers == []
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 # ---------------------------------------------------------------------------------------------- a real pipeline

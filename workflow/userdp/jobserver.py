@@ -56,6 +56,7 @@ PRELOAD_ATTRIBUTES = (
     ("transformers", "GPT2Config"), ("transformers", "GPT2LMHeadModel"), ("transformers", "PreTrainedTokenizerFast"),
 )
 
+_DIR_PREFIX = "userdp-js-"  # start()'s socket folder under /tmp
 _IN_JOB = False  # set in a job child: its script's delegate() returns at once
 _HEADER = struct.Struct("!Q")
 
@@ -375,6 +376,11 @@ def serve(sock_path: str, modules: list[str], log_path: str | None = None, paren
     finally:
         lsock.close()
         _unlink(sock_path)
+        if os.path.basename(os.path.dirname(sock_path)).startswith(_DIR_PREFIX):
+            try:  # start()'s folder, also when its process was killed before it could remove it
+                os.rmdir(os.path.dirname(sock_path))
+            except OSError:
+                pass
         log(f"server stopped ({', '.join(stop) or 'stdin closed'}); rss {rss_mb():.0f} MB")
     return 0
 
@@ -625,7 +631,7 @@ def start(log_path: str | None = None, modules: list[str] | None = None, wait_s:
         return None
     if _server is not None:
         return os.environ.get(ENV)
-    sock_dir = tempfile.mkdtemp(prefix="userdp-js-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    sock_dir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir="/tmp" if os.path.isdir("/tmp") else None)
     os.chmod(sock_dir, 0o700)
     sock_path = os.path.join(sock_dir, "s")
     cmd = [sys.executable, "-m", "userdp.jobserver", "serve", "--socket", sock_path]
