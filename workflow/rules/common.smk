@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test's Snakefile includes only this
 
-from userdp import layout
+from userdp import jobserver, layout
 from userdp.config import validate_config
 from userdp.privacy import memo
 from userdp.errors import ConfigError
@@ -24,6 +24,22 @@ if _targets_as_config:
 # The jobs share one memo of accountant results (the plan's, the ledgers' and selection's epsilons are the same
 # computations); USERDP_ACCOUNTING_MEMO="" turns it off.
 os.environ.setdefault(memo.ENV, layout.ACCOUNTING_MEMO)
+
+
+# Local runs start the jobs' Python once: a fork server imports torch, transformers, pandas, ... and each
+# script's first line (userdp.jobserver.delegate) has it fork the job. Only in the main process of a real
+# local run (not -n, --touch, --lint or a remote executor); USERDP_JOB_SERVER="" turns it off. Same results.
+onstart:
+    jobserver.start_for_workflow(workflow, layout.LOG_JOBSERVER)
+
+
+onsuccess:
+    jobserver.stop()
+
+
+onerror:
+    jobserver.stop()
+
 
 try:
     validate_config(config, source="config (config/config.yaml and --configfile/--config)")

@@ -1,5 +1,9 @@
 """Snakemake script (rule accounting_comparison): sigma needed per (G, epsilon) per accountant."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp.errors
 import userdp.io
 import userdp.logutil

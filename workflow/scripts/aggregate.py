@@ -5,6 +5,10 @@ ledgers, train_logs; userdp.evaluation.targets.summary_inputs), and grid.budgets
 from its params (each cell's steps).
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 from userdp.errors import run_main
 from userdp.evaluation.aggregate import build_summary, write_summary
 from userdp.logutil import setup_logging

@@ -1,5 +1,9 @@
 """Snakemake script (rule audit_canaries): the canary users and the table the audit trains on."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp.errors
 import userdp.logutil
 from userdp.data import canaries as canaries_lib

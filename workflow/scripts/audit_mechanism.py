@@ -1,5 +1,9 @@
 """Snakemake script (rule audit_mechanism_table): the white-box audit of the mechanism, one row per audited cell."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import mechanism_audit

@@ -10,6 +10,10 @@ training.learning_rates its sigma is below the grid cells' (each of those is
 calibrated for the k runs composed).
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp
 import userdp.errors
 import userdp.io

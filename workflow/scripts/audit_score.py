@@ -4,6 +4,10 @@ Writes the per-canary scores and the cell's audit result (AUC, TPR at 1% FPR,
 empirical epsilon lower bound) next to the claimed epsilon of the run ledger.
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import os
 
 import torch

@@ -1,5 +1,9 @@
 """Snakemake script (rule audit_summary): one row per audited cell, as Parquet, CSV and the report's HTML table."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import audit

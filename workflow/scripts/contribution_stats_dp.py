@@ -1,5 +1,9 @@
 """Snakemake script (rule contribution_stats_dp): the DP histogram of train users' counts."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp.errors
 import userdp.io
 import userdp.logutil

@@ -5,6 +5,10 @@ records the spec. This rule is a localrule: on a cluster it runs on the
 submit host, which usually is the one with internet access.
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import copy
 import platform
 import time

@@ -7,6 +7,10 @@ per_run -> each run folder's eval.json and eval_users.parquet) and
 users.parquet). The Parquet files hold each test user's scores.
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 from pathlib import Path
 
 import torch

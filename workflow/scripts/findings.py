@@ -1,5 +1,9 @@
 """Snakemake script (rule findings): the study's findings table (userdp.evaluation.findings)."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 from userdp.errors import run_main
 from userdp.evaluation.findings_job import run
 from userdp.logutil import setup_logging

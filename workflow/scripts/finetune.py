@@ -8,6 +8,10 @@ spread over that many data-parallel processes (torchrun); see
 userdp.training.distributed.
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp.errors
 import userdp.logutil
 from userdp.training import finetune_job

@@ -1,5 +1,9 @@
 """Snakemake script (rule groups): each evaluated test user's loss per run and the cost of privacy per group."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 from userdp.errors import run_main
 from userdp.evaluation import groups
 from userdp.logutil import setup_logging

@@ -5,6 +5,10 @@ method, epsilon, budget, diversity, G, seed) and lr_sweep.parquet (every
 learning rate, tuning and report seeds).
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import time
 
 from userdp.errors import run_main

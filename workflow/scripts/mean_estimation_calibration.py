@@ -4,6 +4,10 @@ Reads the rule's params (the study keys that change a calibration, and the study
 spec needs but the calibration does not read), writes results/mean_estimation/calibration.parquet.
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 from userdp.errors import run_main
 from userdp.experiments import mean_estimation as me
 from userdp.io import write_parquet

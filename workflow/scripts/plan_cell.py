@@ -1,5 +1,9 @@
 """Snakemake script (rules plan, plan_group_sweep): one grid cell -> its plan JSON."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp
 import userdp.errors
 import userdp.io

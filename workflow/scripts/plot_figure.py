@@ -4,6 +4,10 @@ The figure, its inputs and its plot params come from
 userdp.plotting.registry; this adapter only passes Snakemake's files on.
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 from userdp.errors import run_main
 from userdp.logutil import setup_logging
 from userdp.plotting.registry import figure_of_rule

@@ -1,5 +1,9 @@
 """Snakemake script (rule prepare_data): clean, group users, split, contribution statistics."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import copy
 from pathlib import Path
 

@@ -1,5 +1,9 @@
 """Snakemake script: build the small base model and pretrain it on public tokens (rule pretrain)."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 from pathlib import Path
 
 import torch

@@ -5,6 +5,10 @@ validation users; the best is released into the cell folder
 (userdp.evaluation.random_stopping).
 """
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import random_stopping

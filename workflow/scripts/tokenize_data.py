@@ -39,6 +39,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from userdp.jobserver import delegate
+
+    delegate(snakemake)  # noqa: F821 (in the guard: spawned workers import this file without `snakemake`)
     log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
     # Rayon threads of the in-process path (one batch, or threads = 1); worker
     # processes set their own (one each).

@@ -1,5 +1,9 @@
 """Snakemake script (rule train_tokenizer): a BPE trained on PUBLIC text only, or a named tokenizer."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import os
 from pathlib import Path
 

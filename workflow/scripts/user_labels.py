@@ -1,5 +1,9 @@
 """Snakemake script (rule user_labels): each user's group label (synthetic topic, local group_column)."""
 
+from userdp.jobserver import delegate
+
+delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+
 import copy
 
 import userdp.errors
