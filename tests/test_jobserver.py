@@ -226,6 +226,10 @@ if mode == "sigterm":
     os.replace(os.environ["PIDFILE"] + ".tmp", os.environ["PIDFILE"])
     time.sleep(60)
     sys.exit(0)
+if mode == "rng":
+    import random, secrets
+    import numpy as np
+    print("draws", secrets.randbits(63), random.getrandbits(63), int(np.random.randint(2**62)), flush=True)
 if mode == "sleep":
     open(os.environ["PIDFILE"] + ".tmp", "w").write(str(os.getpid()))
     os.replace(os.environ["PIDFILE"] + ".tmp", os.environ["PIDFILE"])
@@ -296,6 +300,19 @@ def test_exit_code_and_stderr_come_back(server, client, code):
     job_pid = int(res.stdout.split("pid ")[1].split()[0])
     log = (tmp / "jobserver.log").read_text()
     assert f"job pid {job_pid} rule stand_in ended: exit {code}" in log
+
+
+@pytest.mark.integration
+def test_forked_jobs_do_not_share_random_state(server, client):
+    # secret seeds (engine: secrets.randbits) and any unseeded global generator must differ between jobs
+    # forked from the one server, as between fresh processes (privacy.secret_seeds, method.md section 10)
+    runs = [_run_client(client, server[0], MODE="rng") for _ in range(2)]
+    draws = []
+    for res in runs:
+        assert res.returncode == 0 and "delegated True" in res.stdout, res.stderr
+        draws.append(res.stdout.split("draws ")[1].split())
+    for a, b in zip(*draws):
+        assert a != b, draws
 
 
 @pytest.mark.integration

@@ -9,23 +9,20 @@ from userdp.jobserver import delegate
 
 delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
 
-import copy
 import platform
 import time
 
 import userdp.errors
 import userdp.logutil
-from userdp.data.sources import open_source
+from userdp.data.sources import open_job_source
 from userdp.io import write_json
-from userdp.layout import DOWNLOADS
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
 
 def main() -> None:
     name = snakemake.wildcards.dataset  # noqa: F821
-    spec = copy.deepcopy(dict(snakemake.params.spec))  # noqa: F821
-    source = open_source(name, spec, data_dir=DOWNLOADS, seed=int(snakemake.params.seed))  # noqa: F821
+    source, spec = open_job_source(snakemake)  # noqa: F821
     start = time.monotonic()
     source.download()
     log.info("dataset %s (source %s): download step done in %.1fs", name, spec.get("source"), time.monotonic() - start)

@@ -4,16 +4,14 @@ from userdp.jobserver import delegate
 
 delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
 
-import copy
 from pathlib import Path
 
 import pyarrow as pa
 
 import userdp.errors
 import userdp.logutil
-from userdp.data.sources import open_source
+from userdp.data.sources import open_job_source
 from userdp.data.prepare import prepare_dataset
-from userdp.layout import DOWNLOADS
 
 log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 
@@ -21,9 +19,8 @@ log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
 def main() -> None:
     pa.set_cpu_count(max(1, int(snakemake.threads)))  # noqa: F821
     name = snakemake.wildcards.dataset  # noqa: F821
-    spec = copy.deepcopy(dict(snakemake.params.spec))  # noqa: F821
     seed = int(snakemake.params.seed)  # noqa: F821
-    source = open_source(name, spec, data_dir=DOWNLOADS, seed=seed)
+    source, spec = open_job_source(snakemake)  # noqa: F821
     out_dir = Path(snakemake.output.contributions).parent  # noqa: F821
     private = bool(snakemake.params.contribution_stats_private)  # noqa: F821
     batch_rows = int(snakemake.params.untracked["tokenizer"]["batch_rows"])  # noqa: F821

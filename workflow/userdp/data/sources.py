@@ -112,3 +112,16 @@ def open_source(name: str, spec: dict, data_dir: str | Path = "data", seed: int 
         )
     source = SOURCES[kind].open(name, spec, Path(data_dir) / name, seed)
     return with_public(source, name, spec, Path(data_dir) / name)
+
+
+def open_job_source(job) -> tuple["Source", dict]:
+    """(Source, spec) of a data rule's job (download_data, prepare_data, prepare_public, user_labels): dataset
+    `job.wildcards.dataset`, seed `job.params.seed`, files under the pipeline's download folder
+    (`layout.DOWNLOADS`); `spec` is the copy of the config spec `job.params.spec` the loader was given (and
+    may have filled in), for what the job writes about it."""
+    import copy
+
+    from ..layout import DOWNLOADS
+
+    spec = copy.deepcopy(dict(job.params.spec))
+    return open_source(job.wildcards.dataset, spec, data_dir=DOWNLOADS, seed=int(job.params.seed)), spec

@@ -66,14 +66,13 @@ def _bounds_vs_claimed(table: pd.DataFrame, heading: str, dataset: str | None) -
         df["series"] = [SHORT.get(m, m) for m in df["method"]]
     order = [(m, s) for m in _method_order(df["method"].unique())
              for s in dict.fromkeys(df.loc[df["method"] == m, "series"])]
-    methods = [s for _, s in order]
     for i, (method, series) in enumerate(order):
         sub = df[(df["method"] == method) & (df["series"] == series)]
         st = dict(_style(method))
         if sum(1 for m, _ in order if m == method) > 1 and series != next(s for m, s in order if m == method):
             st["marker"] = "D"  # the second process count of the same method
         # methods side by side around their claimed epsilon, so equal points stay visible
-        shift = (i - (len(methods) - 1) / 2) * 0.03 * inf_x
+        shift = (i - (len(order) - 1) / 2) * 0.03 * inf_x
         x = np.where(np.isinf(sub["epsilon_claimed"].astype(float)), inf_x, sub["epsilon_claimed"].astype(float))
         x = x + shift
         y = sub["epsilon_lower_bound"].astype(float).to_numpy()
