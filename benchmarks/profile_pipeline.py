@@ -12,6 +12,11 @@ quiet (`uptime` before and after).
     .venv/bin/python benchmarks/profile_pipeline.py   # this run, per rule
     .venv/bin/python benchmarks/profile_pipeline.py --log AFTER.log --baseline BEFORE.log --root-baseline DIR
 
+Jobs run by the job fork server (userdp.jobserver; every local run) do their work in a process the benchmark
+file does not see (its CPU column is the waiting client's, ~0): their CPU seconds come from the server's log,
+`results/logs/jobserver.log` under the run's root (--jobserver-log), which has each job's rule, start, end and
+CPU; a job there is matched to the snakemake log's job of the same rule that started within a few seconds.
+
 Benchmark paths in a log are relative to the run's working directory: --root (and --root-baseline) name
 it when the log is not under <root>/.snakemake/log/. Jobs whose benchmark file is missing (a run that
 was cut short) count with the wall time between their start and finish lines in the log (1 s resolution),
@@ -28,6 +33,8 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from userdp.layout import LOG_JOBSERVER
 
 _STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
 _RULE = re.compile(r"^(?:local)?rule (\w+):$")
@@ -109,6 +116,48 @@ def _written_by(job: Job, path: Path) -> bool:
             <= job.finished + dt.timedelta(seconds=_WRITE_SLACK_S))
 
 
+_JS_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \[\d+\] job pid (\d+)(?: rule (\w+) started|: cpu ([\d.]+) s)")
+
+
+def read_jobserver_log(path: Path) -> list[tuple[str, dt.datetime, float]]:
+    """(rule, start, CPU seconds) of each job the fork server ran and reaped, from its log."""
+    started: dict[str, tuple[str, dt.datetime]] = {}
+    jobs = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = _JS_LINE.match(line)
+        if not m:
+            continue
+        when = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
+        if m.group(3):
+            started[m.group(2)] = (m.group(3), when)
+        elif m.group(2) in started:
+            rule, start = started.pop(m.group(2))
+            jobs.append((rule, start, float(m.group(4))))
+    return jobs
+
+
+#: Seconds between snakemake's start stamp of a job and the server's (client start-up, 1 s stamps).
+_JS_SLACK_S = 5.0
+
+
+def attach_jobserver_cpu(run: Run, path: Path) -> int:
+    """Set the CPU of the run's jobs that the fork server ran from its log; the number of jobs matched."""
+    pool = read_jobserver_log(path)
+    used = [False] * len(pool)
+    matched = 0
+    for job in sorted(run.jobs, key=lambda j: j.started or dt.datetime.min):
+        if job.started is None:
+            continue
+        for i, (rule, start, cpu) in enumerate(pool):
+            if not used[i] and rule == job.rule and \
+                    abs((start - job.started).total_seconds()) <= _JS_SLACK_S:
+                used[i] = True
+                job.cpu_s = cpu
+                matched += 1
+                break
+    return matched
+
+
 def per_rule(run: Run) -> dict[str, dict]:
     table: dict[str, dict] = {}
     for job in run.jobs:
@@ -123,7 +172,8 @@ def _ratio(after: float, before: float) -> str:
     return f"{after / before:5.2f}x" if before > 0 else "    -"
 
 
-def report(run: Run, baseline: Run | None = None, out=sys.stdout) -> None:
+def report(run: Run, baseline: Run | None = None, out=None) -> None:
+    out = sys.stdout if out is None else out
     rows = per_rule(run)
     base = per_rule(baseline) if baseline else {}
     total_wall = sum(r["wall"] for r in rows.values())
@@ -174,17 +224,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root", help="working directory of that run (default: from the log's path)")
     ap.add_argument("--baseline", help="snakemake log of the run to compare against")
     ap.add_argument("--root-baseline", help="working directory of the baseline run")
+    ap.add_argument("--jobserver-log", help="the fork server's log of the run (default: "
+                    "<root>/results/logs/jobserver.log where it exists)")
+    ap.add_argument("--jobserver-log-baseline", help="the same for the baseline run")
     args = ap.parse_args(argv)
     log = Path(args.log) if args.log else _newest_log(Path("."))
     for path in [log] + ([Path(args.baseline)] if args.baseline else []):
         if not path.exists():
             raise SystemExit(f"profile_pipeline: {path} does not exist")
-    run = read_run(log, _root_of(log, args.root))
+    root = _root_of(log, args.root)
+    run = read_run(log, root)
+    _with_jobserver(run, args.jobserver_log, root)
     baseline = None
     if args.baseline:
         b = Path(args.baseline)
-        baseline = read_run(b, _root_of(b, args.root_baseline))
+        b_root = _root_of(b, args.root_baseline)
+        baseline = read_run(b, b_root)
+        _with_jobserver(baseline, args.jobserver_log_baseline, b_root)
     report(run, baseline)
+
+
+def _with_jobserver(run: Run, given: str | None, root: Path) -> None:
+    path = Path(given) if given else root / LOG_JOBSERVER
+    if given and not path.exists():
+        raise SystemExit(f"profile_pipeline: {path} does not exist")
+    if path.exists():
+        n = attach_jobserver_cpu(run, path)
+        print(f"{run.log}: CPU of {n} of {len(run.jobs)} jobs from the fork server's log {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -118,3 +118,36 @@ def test_cpu_of_command_counts_the_descendants_and_passes_the_exit_status(tmp_pa
     none = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_of_command.py")], capture_output=True,
                           text=True, timeout=60)
     assert none.returncode == 2 and "give the command to run after --" in none.stderr
+
+
+def test_cpu_of_forked_jobs_comes_from_the_jobserver_log(profile, tmp_path, capsys):
+    """A delegated job's benchmark CPU is its client's (~0): the server's log gives the job's own CPU."""
+    log = _write_run(tmp_path)
+    js = tmp_path / layout.LOG_JOBSERVER
+    js.parent.mkdir(parents=True, exist_ok=True)
+    js.write_text(
+        "2026-12-04 14:29:55 [10] serving: 60 modules imported\n"
+        "2026-12-04 14:30:01 [11] job pid 21 rule pretrain started: /w/scripts/pretrain.py\n"
+        "2026-12-04 14:30:02 [12] job pid 22 rule train_tokenizer started: /w/scripts/train_tokenizer.py\n"
+        "2026-12-04 14:30:05 [12] job pid 22: cpu 3.25 s, max rss 400 MB\n"
+        "2026-12-04 14:30:05 [12] job pid 22 rule train_tokenizer ended: exit 0\n"
+        "2026-12-04 14:30:06 [13] job pid 23 rule aggregate started: /w/scripts/aggregate.py\n"
+        "2026-12-04 14:30:09 [13] job pid 23: cpu 1.50 s, max rss 300 MB\n"
+        "2026-12-04 14:30:30 [11] job pid 21: cpu 27.00 s, max rss 900 MB\n"
+        # a job of another run of the same rule, long after: not this run's
+        "2026-12-04 15:10:00 [14] job pid 24 rule aggregate started: /w/scripts/aggregate.py\n"
+        "2026-12-04 15:10:01 [14] job pid 24: cpu 9.00 s, max rss 300 MB\n"
+    )
+    out = io.StringIO()
+    run = profile.read_run(log, tmp_path)
+    assert profile.attach_jobserver_cpu(run, js) == 3
+    cpu = {j.rule: j.cpu_s for j in run.jobs}
+    assert cpu == {"pretrain": 27.0, "train_tokenizer": 3.25, "aggregate": 1.5}
+    profile.report(run, out=out)
+    assert "job CPU 32 s" in out.getvalue()
+    # main() finds the log under the run's root by itself
+    capsys.readouterr()
+    profile.main(["--log", str(log), "--root", str(tmp_path)])
+    printed = capsys.readouterr()
+    assert "job CPU 32 s" in printed.out
+    assert "CPU of 3 of 3 jobs from the fork server's log" in printed.err

@@ -156,7 +156,7 @@ rule train_tokenizer:
         layout.LOG_TOKENIZER,
     benchmark:
         layout.benchmark_of(layout.LOG_TOKENIZER),
-    threads: 2
+    threads: config["tokenizer"]["threads"]
     priority: PRIORITY["chain"]
     resources:
         mem_mb=config["resources"]["data_mem_mb"],

@@ -298,7 +298,35 @@ def preload(modules: list[str], log) -> list[str]:
                 getattr(sys.modules[mod], attr)
             except Exception as exc:  # noqa: BLE001
                 log(f"preload {mod}.{attr} failed: {type(exc).__name__}: {exc}")
+    if "matplotlib" in sys.modules:
+        try:
+            warm_matplotlib()
+        except Exception as exc:  # noqa: BLE001 (a figure job that fails the same way says why)
+            log(f"matplotlib warm-up failed: {type(exc).__name__}: {exc}")
     return done
+
+
+def warm_matplotlib() -> None:
+    """Draw a throwaway figure with math text to PNG and PDF in memory, so that every forked figure job
+    inherits what matplotlib builds on first use and keeps: the math-text parser (a class-level pyparsing
+    grammar, ~0.5 s), the Agg and PDF backends and the fonts they load. The object API only: pyplot's
+    figure list and rcParams are untouched, so a figure's output does not depend on this.
+    """
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(2, 2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([1, 2], [1, 2], label=r"$\varepsilon = 1$")
+    ax.set_xscale("log")
+    ax.set_xlabel(r"$\sigma$ (noise multiplier)")
+    ax.legend()
+    fig.tight_layout()
+    for fmt in ("png", "pdf"):
+        fig.savefig(io.BytesIO(), format=fmt)
 
 
 def fork_safety_problems() -> list[str]:
