@@ -261,3 +261,23 @@ def test_els_at_full_batch_is_the_gaussian_mechanism_with_sensitivity_g(sigma):
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=A.FINE_DISCRETIZATION)
     acc.compose(dp_accounting.GaussianDpEvent(sigma / G), T)
     assert ours == pytest.approx(acc.get_epsilon(delta), rel=1e-6)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_mog_inverse_computes_each_midpoint_once_with_the_same_numbers(shuffled):
+    """Losses that share a bisection interval share its midpoint's loss: the inverse of many losses at once
+    equals each loss's own bisection (a one-element call, where nothing is shared), bit for bit, whatever
+    their order (dp-accounting passes them sorted, which shares the most)."""
+    from userdp.privacy.accounting import _mog_losses
+
+    rng = np.random.default_rng(3)
+    for loss in _mog_losses(0.9, [0, 1, 2, 3, 4], [0.6, 0.2, 0.1, 0.06, 0.04]):
+        grid = np.linspace(-3.0, 6.0, 3001)
+        if shuffled:
+            grid = rng.permutation(grid)
+        bracket = (-40.0, 40.0)
+        together = np.asarray(loss._inverse_privacy_losses_with_range(grid, bracket))
+        alone = np.array([loss._inverse_privacy_losses_with_range(np.array([x]), bracket)[0] for x in grid])
+        assert together.shape == grid.shape
+        assert np.array_equal(together, alone)
+        assert len(np.unique(together)) > 1000  # a real spread of inverses, not one clipped value

@@ -247,16 +247,25 @@ class _FastMixtureGaussianPrivacyLoss(plm.MixtureGaussianPrivacyLoss):
         # as the recursion does. All intervals start equal and halve together,
         # so they finish within an iteration of each other; finished ones are
         # frozen with a mask (cheaper than gathering the active ones).
+        # The loss at a midpoint depends on the midpoint alone (each column's sums run over its own
+        # components), and neighbouring losses share intervals for the first ~log2(n) halvings (sorted
+        # losses, as connect-the-dots asks for, keep equal midpoints adjacent): the loss is computed once
+        # per run of equal midpoints and spread back, the same numbers with far fewer exp/log.
         active = hi - lo > precision
         while active.any():
             mid = (lo + hi) / 2
-            z = np.multiply(sens, mid[None, :])
+            new_run = np.empty(mid.shape, dtype=bool)
+            new_run[0] = True
+            np.not_equal(mid[1:], mid[:-1], out=new_run[1:])
+            distinct = mid[new_run]
+            z = np.multiply(sens, distinct[None, :])
             z /= self._variance
             if add:  # consts + z, in place (the same sums)
                 z += consts
-                pl_mid = -_logsumexp_columns(z)
+                pl_distinct = -_logsumexp_columns(z)
             else:
-                pl_mid = _logsumexp_columns(np.subtract(consts, z, out=z))
+                pl_distinct = _logsumexp_columns(np.subtract(consts, z, out=z))
+            pl_mid = pl_distinct[np.cumsum(new_run) - 1] if distinct.size < mid.size else pl_distinct
             go_right = losses < pl_mid
             lo = np.where(active & go_right, mid, lo)
             hi = np.where(active & ~go_right, mid, hi)
