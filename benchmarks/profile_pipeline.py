@@ -34,6 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from userdp.jobserver import read_job_log
 from userdp.layout import LOG_JOBSERVER
 
 _STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
@@ -116,33 +117,13 @@ def _written_by(job: Job, path: Path) -> bool:
             <= job.finished + dt.timedelta(seconds=_WRITE_SLACK_S))
 
 
-_JS_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \[\d+\] job pid (\d+)(?: rule (\w+) started|: cpu ([\d.]+) s)")
-
-
-def read_jobserver_log(path: Path) -> list[tuple[str, dt.datetime, float]]:
-    """(rule, start, CPU seconds) of each job the fork server ran and reaped, from its log."""
-    started: dict[str, tuple[str, dt.datetime]] = {}
-    jobs = []
-    for line in path.read_text(errors="replace").splitlines():
-        m = _JS_LINE.match(line)
-        if not m:
-            continue
-        when = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
-        if m.group(3):
-            started[m.group(2)] = (m.group(3), when)
-        elif m.group(2) in started:
-            rule, start = started.pop(m.group(2))
-            jobs.append((rule, start, float(m.group(4))))
-    return jobs
-
-
 #: Seconds between snakemake's start stamp of a job and the server's (client start-up, 1 s stamps).
 _JS_SLACK_S = 5.0
 
 
 def attach_jobserver_cpu(run: Run, path: Path) -> int:
     """Set the CPU of the run's jobs that the fork server ran from its log; the number of jobs matched."""
-    pool = read_jobserver_log(path)
+    pool = [(rule, dt.datetime.fromtimestamp(start), cpu) for rule, start, cpu in read_job_log(path)]
     used = [False] * len(pool)
     matched = 0
     for job in sorted(run.jobs, key=lambda j: j.started or dt.datetime.min):

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import threading
 import time
 import types
@@ -300,6 +301,9 @@ def test_exit_code_and_stderr_come_back(server, client, code):
     job_pid = int(res.stdout.split("pid ")[1].split()[0])
     log = (tmp / "jobserver.log").read_text()
     assert f"job pid {job_pid} rule stand_in ended: exit {code}" in log
+    # the reader that benchmarks/profile_pipeline.py uses parses what the server wrote
+    records = [r for r in jobserver.read_job_log(tmp / "jobserver.log") if r[0] == "stand_in"]
+    assert records and all(cpu >= 0 and abs(start - time.time()) < 600 for _, start, cpu in records)
 
 
 @pytest.mark.integration
@@ -468,3 +472,15 @@ def test_failing_delegated_job_fails_the_run_with_its_message(train_stage, monke
     server_log = (root / "results/logs/jobserver.log").read_text()
     assert "rule finetune ended: exit 2" in server_log, server_log  # run_main's exit code for a UserError
     assert "rule finetune ended: exit 0" in server_log  # the other cell's job
+
+
+def test_matplotlib_warm_up_leaves_no_state_a_figure_reads():
+    """The server draws a throwaway figure before forking: no pyplot figure, rcParams or thread is left."""
+    import threading
+
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = (dict(matplotlib.rcParams), plt.get_fignums(), threading.active_count())
+    jobserver.warm_matplotlib()
+    assert (dict(matplotlib.rcParams), plt.get_fignums(), threading.active_count()) == before

@@ -342,13 +342,40 @@ def fork_safety_problems() -> list[str]:
     return problems
 
 
+#: A line of the server's log: "<local time> [<writer pid>] <message>" (`_Log`); the job lines the reader
+#: below parses are written by `_serve_one` ("job pid P rule R started: ...") and `_wait_job` ("job pid P: cpu
+#: C s, max rss M MB").
+_LOG_TIME = "%Y-%m-%d %H:%M:%S"
+
+
+def read_job_log(path: str | os.PathLike) -> list[tuple[str, float, float]]:
+    """(rule, start as a POSIX time, CPU seconds) of each job a server's log shows started and reaped."""
+    import re
+
+    line_re = re.compile(r"^(\S+ \S+) \[\d+\] job pid (\d+)(?: rule (\w+) started|: cpu ([\d.]+) s)")
+    started: dict[str, tuple[str, float]] = {}
+    jobs = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = line_re.match(line)
+            if not m:
+                continue
+            when = time.mktime(time.strptime(m.group(1), _LOG_TIME))
+            if m.group(3):
+                started[m.group(2)] = (m.group(3), when)
+            elif m.group(2) in started:
+                rule, start = started.pop(m.group(2))
+                jobs.append((rule, start, float(m.group(4))))
+    return jobs
+
+
 class _Log:
     def __init__(self, path: str | None):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
 
     def __call__(self, msg: str) -> None:
         if self.fd is not None:
-            line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} [{os.getpid()}] {msg}\n"
+            line = f"{time.strftime(_LOG_TIME)} [{os.getpid()}] {msg}\n"
             os.write(self.fd, line.encode("utf-8", "backslashreplace"))
 
 
