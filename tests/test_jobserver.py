@@ -484,3 +484,15 @@ def test_matplotlib_warm_up_leaves_no_state_a_figure_reads():
     before = (dict(matplotlib.rcParams), plt.get_fignums(), threading.active_count())
     jobserver.warm_matplotlib()
     assert (dict(matplotlib.rcParams), plt.get_fignums(), threading.active_count()) == before
+
+
+def test_transformers_warm_up_builds_the_conversion_table_a_model_load_reads(monkeypatch):
+    """The server builds transformers' checkpoint conversion table before forking; it is the table a job's
+    first `from_pretrained` would build (so loading reads the same entries)."""
+    from transformers import conversion_mapping
+
+    monkeypatch.setattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", None)
+    jobserver.warm_transformers()
+    table = conversion_mapping._checkpoint_conversion_mapping_cache  # noqa: SLF001
+    assert table is not None and len(table) > 10
+    assert sorted(table) == sorted(conversion_mapping._build_checkpoint_conversion_mapping())  # noqa: SLF001

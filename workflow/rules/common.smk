@@ -25,6 +25,11 @@ if _targets_as_config:
 # computations); USERDP_ACCOUNTING_MEMO="" turns it off.
 os.environ.setdefault(memo.ENV, layout.ACCOUNTING_MEMO)
 
+# torch's CPU allocator puts tensors of 2 MB and more on transparent huge pages: a training or evaluation step
+# allocates its logits and activations afresh, and with 4 KB pages most of a job's system time was their page
+# faults (docs/performance.md, "Huge pages"). Same numbers; THP_MEM_ALLOC_ENABLE=0 turns it off.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 
 # Local runs start the jobs' Python once: a fork server imports torch, transformers, pandas, ... and each
 # script's first line (userdp.jobserver.delegate) has it fork the job. Only in the main process of a real

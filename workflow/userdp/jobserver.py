@@ -303,7 +303,23 @@ def preload(modules: list[str], log) -> list[str]:
             warm_matplotlib()
         except Exception as exc:  # noqa: BLE001 (a figure job that fails the same way says why)
             log(f"matplotlib warm-up failed: {type(exc).__name__}: {exc}")
+    if "transformers" in sys.modules:
+        try:
+            warm_transformers()
+        except Exception as exc:  # noqa: BLE001 (a model load that fails the same way says why)
+            log(f"transformers warm-up failed: {type(exc).__name__}: {exc}")
     return done
+
+
+def warm_transformers() -> None:
+    """Build transformers' table of checkpoint conversions (every model type's weight renamings, a few
+    hundred compiled regular expressions, ~0.08 s) that its first `from_pretrained` in a process builds and
+    keeps in a module global; each forked job that loads a model then finds it. Loading reads a copy of
+    its model type's entry, so the table is the one the job would have built.
+    """
+    from transformers import conversion_mapping
+
+    conversion_mapping.get_checkpoint_conversion_mapping("gpt2")
 
 
 def warm_matplotlib() -> None:
@@ -344,7 +360,7 @@ def fork_safety_problems() -> list[str]:
 
 #: A line of the server's log: "<local time> [<writer pid>] <message>" (`_Log`); the job lines the reader
 #: below parses are written by `_serve_one` ("job pid P rule R started: ...") and `_wait_job` ("job pid P: cpu
-#: C s, max rss M MB").
+#: C s (system S s), max rss M MB").
 _LOG_TIME = "%Y-%m-%d %H:%M:%S"
 
 
@@ -530,7 +546,8 @@ def _wait_job(conn: socket.socket, pid: int, log) -> int:
         if done:
             # Snakemake's benchmark files see only the client's process: the job's CPU time and peak RSS
             # (with its waited-for children) are here.
-            log(f"job pid {pid}: cpu {usage.ru_utime + usage.ru_stime:.2f} s, max rss {usage.ru_maxrss / 1024:.0f} MB")
+            log(f"job pid {pid}: cpu {usage.ru_utime + usage.ru_stime:.2f} s (system {usage.ru_stime:.2f} s), "
+                f"max rss {usage.ru_maxrss / 1024:.0f} MB")
             return status
         ready, _, _ = select.select(watch, [], [], 0.5 if pidfd is None else None)
         if conn in ready:
