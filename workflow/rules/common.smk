@@ -55,9 +55,12 @@ except ConfigError as exc:
 # Scheduling order among ready jobs (snakemake's `priority:`, higher first). The data stage and pretraining
 # are one chain that every fine-tuning job waits for, so it goes first; then the plans the fine-tuning jobs
 # need; the accounting comparison and the mean-estimation study (independent of the language model) fill a
-# core beside the fine-tuning jobs instead of waiting for the end; fine-tuning before evaluation keeps the
-# long jobs early and the short ones for the tail. Order only: no job's result depends on it.
-PRIORITY = dict(chain=100, plan=60, side=55, finetune=50, evaluate=40)
+# core beside the fine-tuning jobs instead of waiting for the end, and so do the figures whose inputs are
+# ready early (the mean-estimation, noise and contribution figures); fine-tuning before evaluation keeps the
+# long jobs early and the short ones for the tail; a cell's learning-rate selection (a fraction of a second)
+# runs as soon as its evaluations are done, so the tail after the last evaluation is one cell's selection,
+# the summary and the figures that read it. Order only: no job's result depends on it.
+PRIORITY = dict(chain=100, plan=60, side=55, finetune=50, select=45, evaluate=40)
 
 
 # Every wildcard of the path templates (userdp.layout.WILDCARD_RES).

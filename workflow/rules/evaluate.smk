@@ -120,6 +120,7 @@ rule select_lr:
     benchmark:
         layout.benchmark_of(layout.LOG_SELECT_LR),
     threads: 1
+    priority: PRIORITY["select"]
     resources:
         mem_mb=1000,
         runtime=10,

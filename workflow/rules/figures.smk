@@ -48,6 +48,7 @@ for _fig in FIGURES.values():
         benchmark:
             layout.benchmark_of(_fig.log),
         threads: 1
+        priority: PRIORITY["side"]
         resources:
             mem_mb=1000,
             runtime=10,
