@@ -59,8 +59,9 @@ except ConfigError as exc:
 # ready early (the mean-estimation, noise and contribution figures); fine-tuning before evaluation keeps the
 # long jobs early and the short ones for the tail; a cell's learning-rate selection (a fraction of a second)
 # runs as soon as its evaluations are done, so the tail after the last evaluation is one cell's selection,
-# the summary and the figures that read it. Order only: no job's result depends on it.
-PRIORITY = dict(chain=100, plan=60, side=55, finetune=50, select=45, evaluate=40)
+# the summary and the figures that read it; the summary, the user-group analysis and the findings go before
+# those figures (two figures and the findings wait for them). Order only: no job's result depends on it.
+PRIORITY = dict(chain=100, plan=60, summary=58, side=55, finetune=50, select=45, evaluate=40)
 
 
 # Every wildcard of the path templates (userdp.layout.WILDCARD_RES).

@@ -197,6 +197,7 @@ rule aggregate:
     benchmark:
         layout.benchmark_of(layout.LOG_AGGREGATE),
     threads: 1
+    priority: PRIORITY["summary"]
     resources:
         mem_mb=2000,
         runtime=10,
@@ -230,6 +231,7 @@ rule groups:
     benchmark:
         layout.benchmark_of(layout.LOG_GROUPS),
     threads: 1
+    priority: PRIORITY["summary"]
     resources:
         mem_mb=2000,
         runtime=10,

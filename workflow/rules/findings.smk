@@ -26,6 +26,7 @@ rule findings:
     benchmark:
         layout.benchmark_of(layout.LOG_FINDINGS),
     threads: 1
+    priority: PRIORITY["summary"]
     resources:
         mem_mb=2000,
         runtime=10,
