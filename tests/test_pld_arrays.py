@@ -120,3 +120,65 @@ def test_mog_get_delta_for_epsilon_arrays_of_any_size_are_dp_accountings():
             ours = loss.get_delta_for_epsilon(grid)
             theirs = plm.MixtureGaussianPrivacyLoss.get_delta_for_epsilon(loss, grid)
             assert np.array_equal(ours, theirs)
+
+
+def test_epsilon_for_delta_reads_the_add_pmf_where_it_is_the_larger():
+    """dp-accounting takes the larger of the remove and add epsilons: a PLD whose add side dominates."""
+    small = _dense(-40, np.random.default_rng(1).dirichlet(np.ones(300)), 0.0)
+    large = _dense(-10, np.random.default_rng(2).dirichlet(np.ones(3000)), 0.0)
+    pld = pld_lib.PrivacyLossDistribution(small, large)
+    for delta in DELTAS:
+        theirs = pld.get_epsilon_for_delta(delta)
+        assert pld_arrays.epsilon_for_delta(pld, delta) == theirs
+    assert pld_arrays._pmf_epsilon(large, 1e-3) > pld_arrays._pmf_epsilon(small, 1e-3)  # noqa: SLF001
+
+
+def test_epsilon_for_delta_numeric_edges_are_dp_accountings():
+    pmf = _dense(-200, np.random.default_rng(3).dirichlet(np.ones(600)), 1e-7)
+    for delta in (np.float32(1e-3), np.float64(1e-3), 1e-3, np.float32(0.05)):  # numpy 2 promotion: float64
+        assert pld_arrays._pmf_epsilon(pmf, delta) == pmf.get_epsilon_for_delta(delta)  # noqa: SLF001
+    # the running ratio underflows to 0: dp-accounting's math.log raises, and so does ours
+    tiny = _dense(-70900, [0.5, 0.5], 0.0)
+    with pytest.raises(ValueError):
+        tiny.get_epsilon_for_delta(0.5 - 2 ** -54)
+    with pytest.raises(ValueError):
+        pld_arrays._pmf_epsilon(tiny, 0.5 - 2 ** -54)  # noqa: SLF001
+    # a NaN delta gives NaN in both
+    under = _dense(80_000, [0.3, 0.7], 0.0)
+    with np.errstate(all="ignore"):
+        assert math.isnan(under.get_epsilon_for_delta(float("nan")))
+        assert math.isnan(pld_arrays._pmf_epsilon(under, float("nan")))  # noqa: SLF001
+
+
+@pytest.mark.parametrize("points", [999, 1000, 1001])
+def test_connect_dots_pmf_at_the_sparse_limit(points):
+    """Grids of 1000 points are sparse in dp-accounting, 1001 dense: the same on both sides of the limit."""
+    loss = A._mog_losses(1.3, [0.0, 1.0], [0.9, 0.1])[0]
+    b = loss.connect_dots_bounds()
+    lower, upper = math.floor(b.epsilon_lower / 1e-3), math.ceil(b.epsilon_upper / 1e-3)
+    d = (b.epsilon_upper - b.epsilon_lower) / (points - 1.5)  # about `points` grid points
+    for dd in (d * 0.999, d, d * 1.001):
+        n = math.ceil(b.epsilon_upper / dd) - math.floor(b.epsilon_lower / dd) + 1
+        if n == points:
+            _same_pmf(pld_arrays.connect_dots_pmf(loss, dd), _library_pmf(loss, dd))
+            return
+    assert lower < upper
+    pytest.skip(f"no discretization near {d:g} gives exactly {points} points")
+
+
+def test_dense_connect_dots_takes_rises_within_dp_accountings_tolerance():
+    deltas = np.linspace(0.5, 0.0, 2000)
+    deltas[700] = deltas[699] + 5e-13  # a rise below dp-accounting's 1e-12 tolerance: accepted, then flattened
+    ours = pld_arrays._dense_connect_dots(1e-3, -1000, 999, deltas)  # noqa: SLF001
+    theirs = pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(1e-3, -1000, 999, deltas)
+    _same_pmf(ours, theirs)
+
+
+def test_mog_get_delta_for_epsilon_with_an_infinite_epsilon_is_dp_accountings():
+    for loss in A._mog_losses(1.1, [0.0, 1.0, 2.0], [0.8, 0.15, 0.05]):
+        grid = np.array([0.5, 1.0, np.inf])
+        with np.errstate(all="ignore"):
+            ours = loss.get_delta_for_epsilon(grid)
+            theirs = plm.MixtureGaussianPrivacyLoss.get_delta_for_epsilon(loss, grid)
+        assert np.array_equal(ours, theirs, equal_nan=True)
+        assert not np.isnan(ours[0])

@@ -229,6 +229,10 @@ class _FastMixtureGaussianPrivacyLoss(plm.MixtureGaussianPrivacyLoss):
             out[i:i + PLD_BLOCK] = self.mu_upper_cdf(x) - np.exp(e + self.mu_lower_log_cdf(x))
         deltas[inverse_indices] = out
         deltas = np.clip(deltas, 0, 1)
+        if np.isnan(deltas).any():  # (an infinite epsilon) dp-accounting's Python max does not carry a NaN down
+            for i in reversed(range(deltas.shape[0] - 1)):
+                deltas[i] = max(deltas[i], deltas[i + 1])
+            return deltas
         return np.maximum.accumulate(deltas[::-1])[::-1].copy()
 
     def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):  # noqa: D401

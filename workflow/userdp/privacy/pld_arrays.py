@@ -129,11 +129,14 @@ def _pmf_epsilon(pmf: pld_pmf.PLDPmf, delta: float) -> float:
     m = min(safe + 1, n)
     u, lo, loss = upper[:m], lower[:m], losses[:m]
     live = (u > delta) & (lo > 0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        near = np.log((u - delta) / lo) >= loss - 1e-9 * (1.0 + np.abs(loss))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ratio = (u - delta) / lo
+        # a ratio that underflows to 0 is a candidate too: dp-accounting's math.log raises there
+        near = (np.log(ratio) >= loss - 1e-9 * (1.0 + np.abs(loss))) | (ratio == 0)
     stop = None
     for i in np.flatnonzero(live & near):
-        if math.log((float(u[i]) - delta) / float(lo[i])) >= loss[i]:
+        # numpy scalars, as dp-accounting's sums are: the same promotion (a float32 delta stays float64)
+        if math.log((u[i] - delta) / lo[i]) >= loss[i]:
             stop = int(i)
             break
     # after adding loss i: mass_upper >= delta with mass_lower == 0 (exp(-loss) underflowed) returns max(0, loss)
@@ -144,7 +147,8 @@ def _pmf_epsilon(pmf: pld_pmf.PLDPmf, delta: float) -> float:
         if safe < n:
             return pmf.get_epsilon_for_delta(delta)
         stop = n
-    mass_upper, mass_lower = float(upper[stop]), float(lower[stop])
+    mass_upper, mass_lower = upper[stop], lower[stop]
     if mass_upper <= mass_lower + delta:
         return 0
-    return math.log((mass_upper - delta) / mass_lower)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a NaN delta gives NaN, as in dp-accounting
+        return math.log((mass_upper - delta) / mass_lower)
