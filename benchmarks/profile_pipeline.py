@@ -16,6 +16,8 @@ Jobs run by the job fork server (userdp.jobserver; every local run) do their wor
 file does not see (its CPU column is the waiting client's, ~0): their CPU seconds come from the server's log,
 `results/logs/jobserver.log` under the run's root (--jobserver-log), which has each job's rule, start, end and
 CPU; a job there is matched to the snakemake log's job of the same rule that started within a few seconds.
+A rule whose CPU came from the server's log in one run and from benchmark files in the other (a baseline
+from before the fork server) gets no CPU ratio ("mix"): the two measure differently.
 
 Benchmark paths in a log are relative to the run's working directory: --root (and --root-baseline) name
 it when the log is not under <root>/.snakemake/log/. Jobs whose benchmark file is missing (a run that
@@ -52,6 +54,7 @@ class Job:
     benchmark: str | None = None
     wall_s: float | None = None
     cpu_s: float | None = None
+    cpu_source: str = "benchmark"  # or "jobserver": the fork server's log (see attach_jobserver_cpu)
 
 
 @dataclass
@@ -134,6 +137,7 @@ def attach_jobserver_cpu(run: Run, path: Path) -> int:
                     abs((start - job.started).total_seconds()) <= _JS_SLACK_S:
                 used[i] = True
                 job.cpu_s = cpu
+                job.cpu_source = "jobserver"
                 matched += 1
                 break
     return matched
@@ -146,6 +150,8 @@ def per_rule(run: Run) -> dict[str, dict]:
         row["jobs"] += 1
         row["wall"] += job.wall_s or 0.0
         row["cpu"] += job.cpu_s or 0.0
+        if job.cpu_s is not None:
+            row.setdefault("cpu_sources", set()).add(job.cpu_source)
     return dict(sorted(table.items(), key=lambda kv: -kv[1]["wall"]))
 
 
@@ -173,6 +179,7 @@ def report(run: Run, baseline: Run | None = None, out=None) -> None:
     if baseline:
         header += f"  {'before':>11s} {'wall':>6s} {'cpu':>6s}"
     print(header, file=out)
+    mixed = []
     for rule in list(rows) + [r for r in base if r not in rows]:
         r = rows.get(rule, {"jobs": 0, "wall": 0.0, "cpu": 0.0})
         line = (f"{rule:36s} {r['jobs']:4d} {r['wall']:8.1f} "
@@ -180,8 +187,15 @@ def report(run: Run, baseline: Run | None = None, out=None) -> None:
         if baseline:
             b = base.get(rule, {"jobs": 0, "wall": 0.0, "cpu": 0.0})
             line += f"  {b['jobs']:3d}x{(b['wall'] / b['jobs'] if b['jobs'] else 0):6.1f}s"
-            line += f" {_ratio(r['wall'], b['wall'])} {_ratio(r['cpu'], b['cpu'])}"
+            same = r.get("cpu_sources", set()) == b.get("cpu_sources", set())
+            if not same:
+                mixed.append(rule)
+            line += f" {_ratio(r['wall'], b['wall'])} {_ratio(r['cpu'], b['cpu']) if same else '  mix'}"
         print(line, file=out)
+    if mixed:
+        print(f"mix: {len(mixed)} rule(s) whose CPU the two runs measured differently (the fork server's log, a "
+              "job's whole CPU, against snakemake's benchmark file, which samples the job's processes now and "
+              "then and misses what they use after the last sample): no CPU ratio; compare their wall times", file=out)
 
 
 def _newest_log(root: Path) -> Path:
