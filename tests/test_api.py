@@ -274,3 +274,72 @@ def test_import_userdp_stays_light():
     code = "import sys, userdp; userdp.RunSpec; userdp.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _reference_scores(ckpt: Path, frame: pd.DataFrame) -> pd.DataFrame:
+    """Per-row NLL and targets computed with transformers alone: bos + text + eos, the model's own loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    rows = []
+    for user, text in zip(frame["author"], frame["body"]):
+        ids = torch.tensor([[bos, *tok(text)["input_ids"], tok.eos_token_id]])
+        with torch.no_grad():
+            mean = float(model(input_ids=ids, labels=ids).loss)
+        rows.append({"user_id": user, "nll": mean * (ids.shape[1] - 1), "n_tokens": ids.shape[1] - 1})
+    return pd.DataFrame(rows)
+
+
+def test_evaluate_scores_held_out_users_as_transformers_does(workdir):
+    held_out = users_frame(12, seed=7)
+    result = userdp.evaluate(workdir / "ckpt", data=held_out, user_column="author", text_column="body",
+                             batch_size=5)
+    ref = _reference_scores(workdir / "ckpt", held_out)
+    per_user = ref.groupby("user_id").sum()
+    assert list(result.users.columns) == ["user_id", "nll", "n_tokens", "n_examples", "loss"]
+    assert result.users["user_id"].tolist() == sorted(held_out["author"].unique())
+    users = result.users.set_index("user_id")
+    np.testing.assert_allclose(users["nll"], per_user["nll"], rtol=1e-5)
+    assert users["n_tokens"].tolist() == per_user["n_tokens"].tolist()
+    assert users["n_examples"].tolist() == held_out["author"].value_counts().sort_index().tolist()
+    assert result.loss == pytest.approx(ref["nll"].sum() / ref["n_tokens"].sum(), rel=1e-5)
+    assert result.loss_user_macro == pytest.approx((per_user["nll"] / per_user["n_tokens"]).mean(), rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(result.loss))
+    assert 0.0 <= result.accuracy <= 1.0 and result.metrics["n_users"] == 12
+    assert result.metrics["n_examples"] == len(held_out)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"text_column": "text"}, DataError, r"no column\(s\) \['text'\]"),
+    ({"batch_size": 0}, ConfigError, "batch_size is 0"),
+    ({"batch_size": 2.5}, ConfigError, "batch_size is 2.5"),
+    ({"device": "gpu"}, ConfigError, "device is 'gpu'"),
+    ({"sequence_length": 0}, ConfigError, "sequence_length"),
+    ({"model": "no/such/folder"}, DataError, "no released model"),
+])
+def test_evaluate_refuses_bad_input(workdir, change, error, match):
+    kw = dict(model=workdir / "ckpt", data=users_frame(3), user_column="author", text_column="body")
+    with pytest.raises(error, match=match):
+        userdp.evaluate(**{**kw, **change})
+
+
+@pytest.mark.integration
+def test_evaluate_a_released_run_folder(workdir, monkeypatch):
+    """A LoRA run folder finds its tokenizer through the adapter's base model; a fully fine-tuned one has none
+    and asks for tokenizer=; both score the released model (fine-tuning moved the loss)."""
+    monkeypatch.chdir(workdir)
+    rows, held_out = users_frame(), users_frame(10, seed=3)
+    kw = dict(model=str(workdir / "ckpt"), data=rows, user_column="author", text_column="body", method="els",
+              epsilon=8.0, compute=400, steps=4, secret_seeds=False, learning_rate=0.5)
+    before = userdp.evaluate(workdir / "ckpt", data=held_out, user_column="author", text_column="body")
+    lora = userdp.fine_tune(**kw, lora={"r": 4}, output_dir="out/eval-lora")
+    full = userdp.fine_tune(**kw, output_dir="out/eval-full")
+    on_lora = userdp.evaluate(lora.output_dir, data=held_out, user_column="author", text_column="body")
+    assert on_lora.loss != before.loss and math.isfinite(on_lora.loss)
+    with pytest.raises(ConfigError, match="holds no tokenizer.*pass tokenizer="):
+        userdp.evaluate(full.output_dir, data=held_out, user_column="author", text_column="body")
+    on_full = userdp.evaluate(full.output_dir, data=held_out, user_column="author", text_column="body",
+                              tokenizer=workdir / "ckpt")
+    assert on_full.loss != before.loss and len(on_full.users) == 10

@@ -2,7 +2,7 @@
 
 The public API (docs/api.md) is importable from here: `userdp.fine_tune`,
 `userdp.plan`, `userdp.epsilon`, `userdp.load_released`, `userdp.read_ledger`,
-`userdp.audit_mechanism`,
+`userdp.audit_mechanism`, `userdp.evaluate`,
 `userdp.RunSpec`, `userdp.FineTuneResult` and the error types. They load on
 first use, so `import userdp` stays light (the Snakefile imports the package
 to parse its rules). Behind them: data loading and user grouping
@@ -20,6 +20,8 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it (docs/api.md lists each with its purpose).
 _EXPORTS = {
     "audit_mechanism": "userdp.api",
+    "evaluate": "userdp.api",
+    "EvaluationResult": "userdp.api",
     "fine_tune": "userdp.api",
     "plan": "userdp.api",
     "epsilon": "userdp.api",

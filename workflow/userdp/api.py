@@ -202,6 +202,91 @@ def load_released(run_dir: str | os.PathLike, *, with_ledger: bool = False, devi
     return (model, read_ledger(folder.parent if folder.name == RUN_MODEL else folder)) if with_ledger else model
 
 
+@dataclasses.dataclass(frozen=True)
+class EvaluationResult:
+    """What `evaluate` measured: the pipeline's metrics (`loss`, micro over tokens; `loss_user_macro`;
+    `perplexity`; `accuracy`; `n_tokens`, `n_examples`, `n_users`) and `users`, one row per user with the columns
+    of eval_users.parquet (user_id, nll, n_tokens, n_examples, loss: the user's own token-average)."""
+
+    metrics: dict[str, Any]
+    users: Any
+
+    @property
+    def loss(self) -> float:
+        return float(self.metrics["loss"])
+
+    @property
+    def loss_user_macro(self) -> float:
+        return float(self.metrics["loss_user_macro"])
+
+    @property
+    def perplexity(self) -> float:
+        return float(self.metrics["perplexity"])
+
+    @property
+    def accuracy(self) -> float:
+        return float(self.metrics["accuracy"])
+
+
+def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_column: str,
+             tokenizer: str | os.PathLike | None = None, sequence_length: int | None = None,
+             batch_size: int | None = None, device: str = "cpu") -> EvaluationResult:
+    """Next-token metrics of a model on held-out users' (user, text) rows, overall and per user.
+
+    model: a run folder (`fine_tune`'s output_dir or a pipeline run folder: its released model, a LoRA adapter
+    merged) or a model folder saved with save_pretrained. data, user_column, text_column: as `fine_tune`'s; give
+    users the model was not trained on. tokenizer: default the model folder's, else a LoRA adapter's base model
+    folder's; a fully fine-tuned run folder holds none, so pass the folder of the model it was tuned from.
+    sequence_length: default the pipeline's 64 (texts are cut as `fine_tune` cuts them). batch_size: default
+    evaluation.batch_size. The metrics are the pipeline's rule evaluate's (userdp.evaluation.metrics), on every
+    row given.
+    """
+    from .config import run_config
+    from .evaluation.metrics import per_user_scores, sequence_scores, summarise
+    from .training.models import resolve_device
+
+    cfg = run_config(sequence_length=sequence_length, source="userdp.evaluate")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+                                   or batch_size < 1):
+        raise ConfigError(f"batch_size is {batch_size!r}; give a positive integer (sequences scored at once).")
+    size = int(cfg["evaluation"]["batch_size"] if batch_size is None else batch_size)
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device is {device!r}; give 'cpu', 'cuda' or 'auto'.")
+    users, texts = _rows(data, user_column, text_column)
+    released = load_released(model, device=str(resolve_device(device)))
+    with tempfile.TemporaryDirectory(prefix="userdp-evaluate-") as staging:
+        tok = _tokenizer(_local_or_hub(tokenizer) if tokenizer is not None else _tokenizer_of(model),
+                         Path(staging) / "tokenizer")
+    table = _tokens_table(tok, users, texts, int(cfg["tokenizer"]["sequence_length"]))
+    if len(tok) > released.get_input_embeddings().num_embeddings:
+        raise ConfigError(f"the tokenizer has {len(tok)} tokens but the model in {model} has "
+                          f"{released.get_input_embeddings().num_embeddings} token embeddings; pass tokenizer= "
+                          "the tokenizer the model was trained with.")
+    sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
+    nll, correct, n_targets = sequence_scores(released, sequences, size, resolve_device(device))
+    return EvaluationResult(summarise(nll, correct, n_targets, users), per_user_scores(nll, n_targets, users))
+
+
+def _tokenizer_of(model: str | os.PathLike) -> str:
+    """The tokenizer folder `evaluate` uses by default: the model folder's, else a LoRA adapter's base model's."""
+    from .io import read_json
+    from .layout import ADAPTER_CONFIG, TOKENIZER
+
+    path = Path(model).expanduser().resolve()
+    folders = [path, path / RUN_MODEL]
+    for folder in list(folders):
+        if (folder / ADAPTER_CONFIG).exists():
+            base = read_json(folder / ADAPTER_CONFIG).get("base_model_name_or_path")
+            if base:
+                folders.append(Path(base))
+    for folder in folders:
+        if any((folder / name).exists() for name in (Path(TOKENIZER).name, "tokenizer_config.json")):
+            return str(folder)
+    raise ConfigError(f"{model} holds no tokenizer (no tokenizer.json in the model folder or a LoRA adapter's base "
+                      "model folder); pass tokenizer= the folder (or hub id) of the tokenizer the model was trained "
+                      "with, for example the model folder you gave fine_tune.")
+
+
 def audit_mechanism(config: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, Any], *,
                     method: str | None = None, epsilon: float | None = None, dataset: str = "",
                     threads: int | None = None) -> list[dict[str, Any]]:
