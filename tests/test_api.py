@@ -267,11 +267,13 @@ def test_a_damaged_plan_is_a_clear_error(tmp_path):
 
 @pytest.mark.integration  # a fresh interpreter: ~1.5 s
 def test_import_userdp_stays_light():
-    """The public names load on first use: `import userdp` (the Snakefile's) and the RunSpec pull in no torch."""
+    """The public names load on first use: `import userdp` (the Snakefile's) and the RunSpec pull in no torch;
+    nor does the group analysis, which only reads per-user scores."""
     import subprocess
     import sys
 
-    code = "import sys, userdp; userdp.RunSpec; userdp.plan; print('torch' in sys.modules)"
+    code = ("import sys, userdp; userdp.RunSpec; userdp.plan; import userdp.evaluation.groups; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

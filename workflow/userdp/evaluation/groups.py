@@ -53,7 +53,7 @@ from ..errors import DataError
 from ..io import read_frame, write_parquet
 from ..layout import cell_of_dir
 from ..seeding import derive_seed_crc32
-from .metrics import USER_SCORE_COLUMNS
+from .targets import USER_SCORE_COLUMNS
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from ..errors import DataError
 from ..io import read_schema, write_parquet
 from ..seeding import derive_seed_crc32
 from ..training.models import load_model, resolve_device
-from .targets import EVAL_SPLITS
+from .targets import EVAL_SPLITS, USER_SCORE_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,6 @@ def sequence_scores(
         correct[idx] = hits.sum(dim=1).cpu().numpy()
         n_targets[idx] = tmask.sum(dim=1).cpu().numpy()
     return nll, correct, n_targets
-
-
-#: Columns of the per-user scores (`per_user_scores`; the artifact eval_users.parquet, docs/artifacts.md).
-USER_SCORE_COLUMNS = ("user_id", "nll", "n_tokens", "n_examples", "loss")
 
 
 def per_user_scores(nll: np.ndarray, n_targets: np.ndarray, user_ids: Sequence[str]) -> pd.DataFrame:

@@ -22,6 +22,10 @@ EVALUATE_UNTRACKED_KEYS = ("evaluation.batch_size", "training.device")
 #: The held-out splits an evaluation can score (training users are never evaluated).
 EVAL_SPLITS = ("validation", "test")
 
+#: Columns of the per-user scores (`metrics.per_user_scores`; the artifact eval_users.parquet,
+#: docs/artifacts.md). Here, not in metrics.py, so that readers of the artifact (groups) need no torch.
+USER_SCORE_COLUMNS = ("user_id", "nll", "n_tokens", "n_examples", "loss")
+
 
 def evaluated_splits(config: Mapping, *, selects: bool) -> list[str]:
     """The splits an evaluate job scores (its `splits` param, so changing the choice reruns it).
