@@ -319,6 +319,7 @@ def test_evaluate_scores_held_out_users_as_transformers_does(workdir):
     ({"batch_size": 2.5}, ConfigError, "batch_size is 2.5"),
     ({"device": "gpu"}, ConfigError, "device is 'gpu'"),
     ({"sequence_length": 0}, ConfigError, "sequence_length"),
+    ({"sequence_length": 65}, ConfigError, "sequence_length is 65 but model .* has 64 positions"),
     ({"model": "no/such/folder"}, DataError, "no released model"),
 ])
 def test_evaluate_refuses_bad_input(workdir, change, error, match):

@@ -243,6 +243,7 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     """
     from .config import run_config
     from .evaluation.metrics import per_user_scores, sequence_scores, summarise
+    from .training.finetune_job import check_model_fits
     from .training.models import resolve_device
 
     cfg = run_config(sequence_length=sequence_length, source="userdp.evaluate")
@@ -258,10 +259,7 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
         tok = _tokenizer(_local_or_hub(tokenizer) if tokenizer is not None else _tokenizer_of(model),
                          Path(staging) / "tokenizer")
     table = _tokens_table(tok, users, texts, int(cfg["tokenizer"]["sequence_length"]))
-    if len(tok) > released.get_input_embeddings().num_embeddings:
-        raise ConfigError(f"the tokenizer has {len(tok)} tokens but the model in {model} has "
-                          f"{released.get_input_embeddings().num_embeddings} token embeddings; pass tokenizer= "
-                          "the tokenizer the model was trained with.")
+    check_model_fits(released, str(model), tok, int(cfg["tokenizer"]["sequence_length"]))
     sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
     nll, correct, n_targets = sequence_scores(released, sequences, size, resolve_device(device))
     return EvaluationResult(summarise(nll, correct, n_targets, users), per_user_scores(nll, n_targets, users))
