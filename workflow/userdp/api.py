@@ -193,13 +193,22 @@ def load_released(run_dir: str | os.PathLike, *, with_ledger: bool = False, devi
     merged into its base model; with `with_ledger`, (model, ledger)."""
     from .training.models import load_model
 
+    folder = _released_folder(run_dir)
+    model = load_model(folder, device, local=True, merge=True).eval()
+    return (model, read_ledger(folder.parent if folder.name == RUN_MODEL else folder)) if with_ledger else model
+
+
+def _released_folder(run_dir: str | os.PathLike) -> Path:
+    """The folder of the released model: `run_dir` itself when it holds a model or an adapter, else its model/
+    (a DataError when there is none)."""
+    from .layout import ADAPTER_CONFIG
+
     path = Path(run_dir)
-    folder = path if (path / "config.json").exists() or (path / "adapter_config.json").exists() else path / RUN_MODEL
+    folder = path if (path / "config.json").exists() or (path / ADAPTER_CONFIG).exists() else path / RUN_MODEL
     if not folder.is_dir():
         raise DataError(f"{run_dir} holds no released model (no {RUN_MODEL}/ folder with config.json or "
                         "adapter_config.json); give the output_dir of userdp.fine_tune or a run folder.")
-    model = load_model(folder, device, local=True, merge=True).eval()
-    return (model, read_ledger(folder.parent if folder.name == RUN_MODEL else folder)) if with_ledger else model
+    return folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +252,7 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     """
     from .config import run_config
     from .evaluation.metrics import per_user_scores, sequence_scores, summarise
-    from .training.finetune_job import check_model_fits
-    from .training.models import resolve_device
+    from .training.models import check_model_fits, resolve_device
 
     cfg = run_config(sequence_length=sequence_length, source="userdp.evaluate")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
@@ -254,14 +262,16 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device is {device!r}; give 'cpu', 'cuda' or 'auto'.")
     users, texts = _rows(data, user_column, text_column)
-    released = load_released(model, device=str(resolve_device(device)))
     with tempfile.TemporaryDirectory(prefix="userdp-evaluate-") as staging:
         tok = _tokenizer(_local_or_hub(tokenizer) if tokenizer is not None else _tokenizer_of(model),
                          Path(staging) / "tokenizer")
-    table = _tokens_table(tok, users, texts, int(cfg["tokenizer"]["sequence_length"]))
-    check_model_fits(released, str(model), tok, int(cfg["tokenizer"]["sequence_length"]))
+    dev = resolve_device(device)
+    released = load_released(model, device=str(dev))
+    length = int(cfg["tokenizer"]["sequence_length"])
+    check_model_fits(released, str(model), tok, length)
+    table = _tokens_table(tok, users, texts, length)
     sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
-    nll, correct, n_targets = sequence_scores(released, sequences, size, resolve_device(device))
+    nll, correct, n_targets = sequence_scores(released, sequences, size, dev)
     return EvaluationResult(summarise(nll, correct, n_targets, users), per_user_scores(nll, n_targets, users))
 
 
@@ -270,14 +280,10 @@ def _tokenizer_of(model: str | os.PathLike) -> str:
     from .io import read_json
     from .layout import ADAPTER_CONFIG, TOKENIZER
 
-    path = Path(model).expanduser().resolve()
-    folders = [path, path / RUN_MODEL]
-    for folder in list(folders):
-        if (folder / ADAPTER_CONFIG).exists():
-            base = read_json(folder / ADAPTER_CONFIG).get("base_model_name_or_path")
-            if base:
-                folders.append(Path(base))
-    for folder in folders:
+    folder = _released_folder(Path(model).expanduser().resolve())
+    adapter = folder / ADAPTER_CONFIG
+    base = read_json(adapter).get("base_model_name_or_path") if adapter.exists() else None
+    for folder in [folder] + ([Path(base)] if base else []):
         if any((folder / name).exists() for name in (Path(TOKENIZER).name, "tokenizer_config.json")):
             return str(folder)
     raise ConfigError(f"{model} holds no tokenizer (no tokenizer.json in the model folder or a LoRA adapter's base "

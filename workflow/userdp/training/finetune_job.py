@@ -83,23 +83,8 @@ def load_base_model(name: str, tokenizer: Any, lora: dict | None, config_seed: i
     """The base model to fine-tune, checked against the tokenizer and the sequence length, with LoRA adapters
     when `lora` is set (only they train; their init is public: lora_B = 0)."""
     model = models.load_model(name)
-    check_model_fits(model, name, tokenizer, sequence_length)
+    models.check_model_fits(model, name, tokenizer, sequence_length)
     return models.apply_lora(model, lora, derive_seed(config_seed, "lora_init"))
-
-
-def check_model_fits(model: torch.nn.Module, name: str, tokenizer: Any, sequence_length: int | None) -> None:
-    """ConfigError unless the model has an embedding for every token and a position for every one of
-    `sequence_length` tokens (fine-tuning's base model; `userdp.evaluate`'s model)."""
-    vocab = model.get_input_embeddings().num_embeddings
-    if vocab < len(tokenizer):
-        raise ConfigError(
-            f"model {name} has {vocab} token embeddings but the tokenizer has {len(tokenizer)} tokens; set "
-            f"tokenizer.name to the model's own tokenizer (model.name {name!r})."
-        )
-    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    if sequence_length is not None and positions is not None and int(sequence_length) > int(positions):
-        raise ConfigError(f"tokenizer.sequence_length is {sequence_length} but model {name} has {positions} "
-                          f"positions; set it to at most {positions}.")
 
 
 @dataclass

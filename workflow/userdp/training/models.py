@@ -214,6 +214,21 @@ def save_model_atomic(model: torch.nn.Module, out_dir: str | os.PathLike) -> Non
         model.save_pretrained(str(tmp))
 
 
+def check_model_fits(model: torch.nn.Module, name: str, tokenizer: Any, sequence_length: int | None) -> None:
+    """ConfigError unless the model has an embedding for every token and a position for every one of
+    `sequence_length` tokens (fine-tuning's base model; `userdp.evaluate`'s model)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    if vocab < len(tokenizer):
+        raise ConfigError(
+            f"model {name} has {vocab} token embeddings but the tokenizer has {len(tokenizer)} tokens; set "
+            f"tokenizer.name to the model's own tokenizer (model.name {name!r})."
+        )
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if sequence_length is not None and positions is not None and int(sequence_length) > int(positions):
+        raise ConfigError(f"tokenizer.sequence_length is {sequence_length} but model {name} has {positions} "
+                          f"positions; set it to at most {positions}.")
+
+
 def resolve_device(name: str) -> torch.device:
     """training.device (used by fine-tuning and evaluation): auto = cuda when available, else cpu."""
     if name == "auto":
