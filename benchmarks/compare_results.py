@@ -23,7 +23,8 @@ import pandas as pd
 
 from userdp import layout
 
-SKIP_KEYS = {"seconds", "wall_seconds"}
+# The wall times, and the digest of the userdp code that ran (it changes with every commit).
+SKIP_KEYS = {"seconds", "wall_seconds", "userdp_code"}
 # Folders of a results/ tree whose files record how a run went, not what it produced.
 TIMING_DIRS = {PurePosixPath(layout.LOGS).name, PurePosixPath(layout.BENCHMARKS).name, "cache"}
 

@@ -32,14 +32,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ConfigError, DataError, PrivacyError, UserError
+from .arguments import check_target as _check_target
+from .errors import ConfigError, DataError, UserError
 from .layout import LEDGER, PLAN_FILE, RUN_MODEL, fmt_num
 from .privacy.spec import RunSpec
 
 log = logging.getLogger("userdp.api")
 
-#: The methods `plan` and `fine_tune` accept (privacy.mechanism.METHODS).
-METHODS = ("els", "uls")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,22 +81,6 @@ class FineTuneResult:
     @property
     def model_dir(self) -> Path:
         return self.output_dir / RUN_MODEL
-
-
-def _check_target(method: str, epsilon: Any, compute: Any, steps: Any) -> float:
-    """The target epsilon as a float, after checking the cell's arguments (ConfigError / PrivacyError)."""
-    if method not in METHODS:
-        raise ConfigError(f"method is {method!r}; allowed: {', '.join(METHODS)} (user-level sampling: 'uls').")
-    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or math.isnan(epsilon):
-        raise PrivacyError(f"epsilon is {epsilon!r}; give a number > 0 (or math.inf for the non-private reference).")
-    if not epsilon > 0:
-        raise PrivacyError(f"epsilon is {epsilon}; a DP guarantee needs epsilon > 0 (e.g. 1, 4 or 8; math.inf for "
-                           "the non-private reference without noise).")
-    for name, value in (("compute", compute), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ConfigError(f"{name} is {value!r}; give a whole number >= 1 (compute: examples processed in "
-                              "expectation over the run; steps: noisy steps T).")
-    return float(epsilon)
 
 
 def _check_group_size(group_size: Any) -> int | None:
@@ -188,14 +171,21 @@ def read_ledger(run_dir: str | os.PathLike) -> dict[str, Any]:
     return read_json(path if path.suffix == ".json" else path / LEDGER)
 
 
-def load_released(run_dir: str | os.PathLike, *, with_ledger: bool = False, device: str = "cpu") -> Any:
-    """The released model of a run folder (`fine_tune`'s output_dir or a pipeline run folder), a LoRA adapter
-    merged into its base model; with `with_ledger`, (model, ledger)."""
+def load_released(run_dir: str | os.PathLike, *, with_ledger: bool = False, with_card: bool = False,
+                  device: str = "cpu") -> Any:
+    """The released model of a run folder (`fine_tune`'s output_dir, `PrivateTraining.save`'s folder,
+    `UserDPTrainer.save_model`'s or a pipeline run folder), a LoRA adapter merged into its base model; with
+    `with_ledger`, (model, ledger); with `with_card`, also the model card's facts (a dict rendered from the
+    ledger: training.model_card.card_facts), last."""
+    from .training.model_card import card_facts
     from .training.models import load_model
 
     folder = _released_folder(run_dir)
     model = load_model(folder, device, local=True, merge=True).eval()
-    return (model, read_ledger(folder.parent if folder.name == RUN_MODEL else folder)) if with_ledger else model
+    if not (with_ledger or with_card):
+        return model
+    ledger = read_ledger(folder.parent if folder.name == RUN_MODEL else folder)
+    return (model,) + ((ledger,) if with_ledger else ()) + ((card_facts(ledger),) if with_card else ())
 
 
 def _released_folder(run_dir: str | os.PathLike) -> Path:

@@ -182,11 +182,15 @@ def json_text(obj: Any) -> str:
     return json.dumps(clean_floats(json.loads(json.dumps(obj, default=_json_default))), indent=2)
 
 
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` (UTF-8), atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write `obj` as indented JSON, atomically. Infinite floats become "inf"."""
-    text = json_text(obj)
-    with atomic_path(path) as tmp:
-        tmp.write_text(text + "\n", encoding="utf-8")
+    write_text(path, json_text(obj) + "\n")
 
 
 def read_json(path: str | os.PathLike) -> Any:

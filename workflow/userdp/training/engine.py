@@ -66,7 +66,7 @@ from ..privacy import mechanism as privacy_mechanism
 from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
 from . import checkpoint as ckpt
-from . import distributed, finished, step_log
+from . import distributed, finished, model_card, step_log
 from .batching import StepSelection, check_uls_fits, pack_micro_batches, select_els, select_uls
 from .gradients import GradientSource, GradientSourceFactory, MicroBatchStats
 from .ledger import RunFacts, build_ledger
@@ -96,6 +96,7 @@ class RunPaths:
     train_log: Path = field(init=False)
     model_dir: Path = field(init=False)
     checkpoint_dir: Path = field(init=False)
+    card: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -104,6 +105,7 @@ class RunPaths:
         self.train_log = self.run_dir / TRAIN_LOG
         self.model_dir = self.run_dir / RUN_MODEL
         self.checkpoint_dir = self.run_dir / "checkpoint"
+        self.card = self.run_dir / model_card.CARD
 
 
 @dataclass
@@ -431,14 +433,18 @@ class RunState:
     """Everything a run carries from step to step; `state_dict` is what its checkpoint holds."""
 
     def __init__(self, model: torch.nn.Module, mech: RunMechanism, pool: TrainingPool, settings: TrainSettings,
-                 seeds: dict[str, Any], device: torch.device):
+                 seeds: dict[str, Any], device: torch.device, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any = None):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Per-unit keyed draws: removing a user changes no other unit's draws (sampling.py)
         self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
         self.noise = GaussianNoise(mech.sigma, mech.clip_norm, seeds["noise"], device)
-        self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate)
-        self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
+        if optimizer is None:  # the pipeline's: training.optimizer, training.schedule
+            self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate)
+            self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
+        else:  # the caller's own (userdp.make_private): its scheduler, if any, is stepped with it
+            self.optimizer, self.scheduler = optimizer, scheduler
         self.private = mech.clip_norm is not None
         self.step, self.examples_processed, self.users_processed = 0, 0, 0
         self.rows: list[dict[str, Any]] = []
@@ -463,7 +469,8 @@ class RunState:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step, "model": self._model_state(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
             "noise": self.noise.state_dict(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "examples_processed": self.examples_processed, "users_processed": self.users_processed,
@@ -474,7 +481,8 @@ class RunState:
         """Continue a saved run (its resumption step is added to resumed_at)."""
         self._load_model_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.noise.load_state_dict(state["noise"])
         torch.set_rng_state(state["torch_rng"])
@@ -488,10 +496,17 @@ class RunState:
 
     def update(self) -> float:
         """Optimizer and LR-schedule step on the privatised p.grad; the learning rate it used."""
-        lr = float(self.scheduler.get_last_lr()[0])
+        lr = self.learning_rate()
         self.optimizer.step()
-        self.scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return lr
+
+    def learning_rate(self) -> float:
+        """The learning rate the next optimizer step uses (of the first parameter group)."""
+        if self.scheduler is not None:
+            return float(self.scheduler.get_last_lr()[0])
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def record(self, sel: StepSelection, sums: StepSums, lr: float, seconds: float,
                update_norms: tuple[float, float] = (math.nan, math.nan)) -> dict[str, Any]:
@@ -585,7 +600,7 @@ class RunContext:
     mech: RunMechanism
     pool: TrainingPool
     settings: TrainSettings
-    paths: RunPaths
+    paths: RunPaths | None  # None: a `setup` run that writes nowhere (yet)
     pad_id: int
     device: torch.device
     dist: distributed.DistContext | None
@@ -610,9 +625,34 @@ class Run:
     state: RunState
     step: DPStep
     seeds: dict[str, Any]
-    fingerprint: str
-    done_key: str
+    fingerprint: str = ""  # set by `prepare` (train's runs); a `setup` run has no checkpoint
+    done_key: str = ""
     saved_at: int = 0  # the step of the last checkpoint written (or resumed from) in this invocation
+    unchecked: bool = True  # the first update at a learning rate > 0 of this invocation must move a parameter
+
+    def advance(self, on_step: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+        """One noisy step (DPStep: sample, clipped sum, noise once, divide), the optimizer's update, the step
+        counted and logged; its log row. The one step body of every client (`loop`, PrivateTraining.step)."""
+        t0 = time.monotonic()
+        sel, sums = self.step()
+        norms = self.step.update_norms()  # before the optimizer step, which may touch p.grad
+        before = _fingerprints(self.state.params) if self.unchecked else None
+        return self.complete(sel, sums, norms, self.state.update(), t0, before, on_step)
+
+    def complete(self, sel: StepSelection, sums: StepSums, norms: tuple[float, float], lr: float, t0: float,
+                 before: torch.Tensor | None, on_step: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+        """After the optimizer's update of a step: count and log it, check that the first update at a learning
+        rate > 0 moved a parameter (`before`: the parameters' fingerprints before the update, None: unchecked),
+        call `on_step` (step, row), then the hook; the log row."""
+        state = self.state
+        row = state.record(sel, sums, lr, time.monotonic() - t0, norms)
+        if before is not None and row["learning_rate"] > 0:  # a zero rate (warm-up, replay tests) moves nothing
+            _check_moved(state.params, before, state.step)
+            self.unchecked = False
+        if on_step is not None:
+            on_step(state.step, row)
+        self.step.hook.after_step(state.step, sel, sums)
+        return row
 
 
 def train(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec | dict[str, Any], settings: TrainSettings,
@@ -647,10 +687,16 @@ def train(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec | dict[str, 
     return finish(run, compute_epsilon)
 
 
-def prepare(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: TrainSettings, paths: RunPaths,
-            seeds: dict[str, Any], pad_id: int, dist: distributed.DistContext | None,
-            gradient_source: GradientSourceFactory | None, hook: StepHook | None) -> Run:
-    """Place the model, draw secret seeds, build the state, the step and the run's keys (nothing trains yet)."""
+def setup(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: TrainSettings,
+          paths: RunPaths | None, seeds: dict[str, Any], pad_id: int, dist: distributed.DistContext | None = None,
+          gradient_source: GradientSourceFactory | None = None, hook: StepHook | None = None, *,
+          optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> Run:
+    """Place the model, draw secret seeds, build the state and the step (nothing trains yet): the core every
+    client drives (`train` below, `training.private.PrivateTraining`), one `advance` per noisy step.
+
+    optimizer / scheduler: the caller's (None: training.optimizer and training.schedule of `settings`). paths:
+    where `train` checkpoints and writes (None: nowhere yet; PrivateTraining.save names the folder).
+    """
     mech = RunMechanism.of(spec, pool, settings)
     dist = distributed.current_context() if dist is None else dist
     device = distributed.rank_device(settings.device, dist) if dist is not None else resolve_device(settings.device)
@@ -664,17 +710,26 @@ def prepare(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings:
         # checkpoint, so it continues the same secret streams. Only the checkpoint (deleted at the end) holds them.
         seeds = draw_secret_seeds(seeds, dist, device)
     ctx = RunContext(spec, mech, pool, settings, paths, pad_id, device, dist)
-    n_units = mech.n_units(pool)
-    state = RunState(model, mech, pool, settings, seeds, device)
-    divisor = divisor_for(spec, mech, n_units, state.sampler.expected_size)
+    state = RunState(model, mech, pool, settings, seeds, device, optimizer, scheduler)
+    divisor = divisor_for(spec, mech, mech.n_units(pool), state.sampler.expected_size)
     grads = (gradient_source or _default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
-    fp = run_fingerprint(spec, settings, device, seeds, pool, model, n_units)
+    return Run(ctx, state, DPStep(ctx, state, grads, divisor, hook), seeds)
+
+
+def prepare(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: TrainSettings, paths: RunPaths,
+            seeds: dict[str, Any], pad_id: int, dist: distributed.DistContext | None,
+            gradient_source: GradientSourceFactory | None, hook: StepHook | None) -> Run:
+    """`setup`, plus the run's keys: its checkpoint's fingerprint and its finished record's key."""
+    run = setup(model, pool, spec, settings, paths, seeds, pad_id, dist, gradient_source, hook)
+    ctx = run.ctx
+    fp = run_fingerprint(spec, settings, ctx.device, run.seeds, pool, model, ctx.mech.n_units(pool))
     # The finished record's key covers everything the outputs depend on, beyond what a resume needs (fp: the
     # result-changing settings): the whole plan (the ledger's accounting fields), debug_step_log (which columns
     # are released) and the adapter's settings (LoRA alpha and dropout add no tensors to the model digest).
-    done_key = ckpt.fingerprint({"resume": fp, "plan": spec.without_timing(), "debug_step_log": settings.debug_step_log,
-                                 "adapter": _adapter_record(model)})
-    return Run(ctx, state, DPStep(ctx, state, grads, divisor, hook), seeds, fp, done_key)
+    run.fingerprint = fp
+    run.done_key = ckpt.fingerprint({"resume": fp, "plan": spec.without_timing(),
+                                     "debug_step_log": settings.debug_step_log, "adapter": _adapter_record(model)})
+    return run
 
 
 def restore_finished(run: Run) -> TrainOutcome | None:
@@ -722,25 +777,14 @@ def loop(run: Run, max_steps: int | None, on_step: Callable[[int, dict], None] |
 
     Checkpoints every training.checkpoint_every steps (and checks that data-parallel replicas agree there).
     """
-    ctx, state, dp_step = run.ctx, run.state, run.step
+    ctx, state = run.ctx, run.state
     _log_start(run)
-    unchecked = True  # the first update at a learning rate > 0 in this invocation must move a parameter
     progress, done_now = _Progress(ctx.mech.steps, ctx.settings.log_every_s, ctx.settings.debug_step_log), 0
     run.saved_at = state.step
     with StopOnSigterm(enabled=ctx.dist is None) as stop:
         while state.step < ctx.mech.steps and not stop.requested and (max_steps is None or done_now < max_steps):
-            t0 = time.monotonic()
-            sel, sums = dp_step()
-            norms = dp_step.update_norms()  # before the optimizer step, which may touch p.grad
-            before = _fingerprints(state.params) if unchecked else None
-            row = state.record(sel, sums, state.update(), time.monotonic() - t0, norms)
-            if before is not None and row["learning_rate"] > 0:  # a zero rate (warm-up, replay tests) moves nothing
-                _check_moved(state.params, before, state.step)
-                unchecked = False
             done_now += 1
-            if on_step is not None:
-                on_step(state.step, row)
-            dp_step.hook.after_step(state.step, sel, sums)
+            run.advance(on_step)
             if state.step % ctx.settings.checkpoint_every == 0 and state.step < ctx.mech.steps:
                 _save_checkpoint(run)
                 run.saved_at = state.step
@@ -816,6 +860,22 @@ def run_facts(run: Run) -> RunFacts:
     )
 
 
+def write_release(run: Run, paths: RunPaths, compute_epsilon: Callable[..., float] | None = None
+                  ) -> dict[str, Any]:
+    """Write what the run releases into `paths` (rank 0): the model (or adapter), the per-step log, the ledger
+    of the steps that ran and the model card rendered from it (in the run folder and the model folder); the
+    ledger."""
+    ctx, state = run.ctx, run.state
+    ledger = build_ledger(ctx.spec, run_facts(run), compute_epsilon)
+    save_model_atomic(state.model, paths.model_dir)
+    # Per-step noise-free values (batch loss, realised sizes, timing) only with training.debug_step_log.
+    write_parquet(paths.train_log, state.frame()[step_log.released_columns(ctx.settings.debug_step_log)])
+    write_json(paths.ledger, ledger)
+    model_card.write_card(paths.model_dir, ledger)  # replaces peft's empty template: the folder one uploads
+    model_card.write_card(paths.run_dir, ledger)
+    return ledger
+
+
 def finish(run: Run, compute_epsilon: Callable[..., float] | None) -> TrainOutcome:
     """After step T: rank 0 writes model, log and ledger, records them (`finished`, under the run's done_key),
     then deletes the checkpoint; other ranks wait for the ledger."""
@@ -824,17 +884,14 @@ def finish(run: Run, compute_epsilon: Callable[..., float] | None) -> TrainOutco
     distributed.check_replicas(state.params, ctx.dist, ctx.device)
     if not ctx.main:
         return TrainOutcome(True, state.step, distributed.broadcast_object(None, ctx.dist, ctx.device), frame)
-    ledger = build_ledger(ctx.spec, run_facts(run), compute_epsilon)
     paths = ctx.paths
-    save_model_atomic(state.model, paths.model_dir)
-    # Per-step noise-free values (batch loss, realised sizes, timing) only with training.debug_step_log.
-    write_parquet(paths.train_log, frame[step_log.released_columns(ctx.settings.debug_step_log)])
-    write_json(paths.ledger, ledger)
+    ledger = write_release(run, paths, compute_epsilon)
     # Outputs are complete: record them, so a rerun snakemake asks for (it was killed before recording them)
     # restores instead of retraining; the checkpoint is no longer needed (as large as model + optimizer state,
     # and it holds the secret noise state).
     try:
-        finished.record(paths.run_dir, [paths.model_dir, paths.train_log, paths.ledger], run.done_key, paths.log)
+        finished.record(paths.run_dir, [paths.model_dir, paths.train_log, paths.ledger, paths.card], run.done_key,
+                        paths.log)
     except OSError as exc:  # the outputs are complete; without the record a rerun would only train again
         log.warning("could not record the finished outputs in %s (%s); the run is complete, but if snakemake "
                     "reruns it (e.g. after being killed) it trains again", paths.run_dir / "finished", exc)

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import ConfigError, Preempted, run_main
 from ..layout import EVAL, RUN_MODEL
+from .model_card import CARD
 from ..privacy import seed_secrecy
 from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
@@ -65,7 +66,7 @@ def clear_stale_outputs(run_dir: Path) -> None:
     rerunning the job, so the model folder's other files (generation_config.json, ...) and the evaluation of the
     old model (eval.json) would otherwise sit next to a run that failed or has not finished."""
     model_dir = run_dir / RUN_MODEL  # snakemake creates it (empty) for the outputs: only files in it are stale
-    stale = [p for p in (model_dir, run_dir / EVAL) if p.is_file() or (p.is_dir() and any(p.rglob("*")))]
+    stale = [p for p in (model_dir, run_dir / EVAL, run_dir / CARD) if p.is_file() or (p.is_dir() and any(p.rglob("*")))]
     for p in stale:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     if stale:

@@ -117,6 +117,7 @@ def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., floa
     accountant (`compute_epsilon`: `(event, delta) -> epsilon`), composed with
     the DP contribution statistics when the plan spent part of its budget on them.
     """
+    from ..code_version import package_digest
     from ..privacy import mechanism, seed_secrecy
 
     stats = spec.contribution_stats
@@ -165,7 +166,7 @@ def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., floa
         **seed_secrecy.combined_fields(seed_secrecy.seeds_mode(bool(facts.seeds.get("secret"))),
                                        (stats or {}).get("seeds_mode")),
         "resumed_at_steps": list(facts.resumed_at),
-        "versions": library_versions(),
+        "versions": {**library_versions(), "userdp_code": package_digest()[:16]},
     }
     if stats:
         # The DP contribution statistics release is part of the run's guarantee:

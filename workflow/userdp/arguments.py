@@ -1,0 +1,144 @@
+"""Typed settings of the public entry points: `PrivacyArguments` (the mechanism's target and the data's
+columns) and `TrainingOptions` (how the steps execute), validated by the config schema.
+
+They are what `userdp.make_private` and `userdp.UserDPTrainer` take instead of dicts of config keys. Each
+field maps to one key of the config schema (workflow/schemas/config.schema.yaml), so its bounds and defaults
+are the pipeline's, and a bad value is a ConfigError that names the argument (`TrainingOptions.device`,
+`PrivacyArguments.clip_norm`), not the config key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from typing import Any
+
+from .errors import ConfigError
+
+#: The methods: example-level (els) or user-level (uls) Poisson sampling (privacy.mechanism.METHODS).
+METHODS = ("els", "uls")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyArguments:
+    """The user-level DP target of a run and where its users are.
+
+    method: "els" or "uls". epsilon: the released model's target (math.inf: the non-private reference, no
+    noise). compute: examples processed in expectation over the run (K). user_column / text_column: the data's
+    user id and text (or `messages_column`, chat data; see docs/api.md). delta: default 1 / N^1.1 for N users.
+    group_size: the contribution bound G (default: the method's rule, median for ELS, snr for ULS).
+    clip_norm, clipping: privacy.clip_norm (default 1.0) and privacy.clipping ("flat" or "normalized").
+    secret_seeds: True (the default for user data): the sampling and noise randomness is fresh OS entropy,
+    never written; False derives it from `seed` (reproducible; the guarantee then does not hold against
+    whoever has the seed).
+    """
+
+    method: str
+    epsilon: float
+    compute: int
+    user_column: str = "user_id"
+    text_column: str | None = "text"
+    delta: float | None = None
+    group_size: int | None = None
+    clip_norm: float | None = None
+    clipping: str | None = None
+    secret_seeds: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_target(self.method, self.epsilon, self.compute, 1)
+        if self.group_size is not None and (isinstance(self.group_size, bool) or
+                                            not isinstance(self.group_size, numbers.Integral) or self.group_size < 1):
+            raise ConfigError(f"PrivacyArguments.group_size is {self.group_size!r}; give a whole number G >= 1 (each "
+                              "user's examples are bounded to G), or None for the method's rule.")
+        for name in ("user_column", "text_column"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"PrivacyArguments.{name} is {value!r}; give the column's name.")
+        if not isinstance(self.secret_seeds, bool):
+            raise ConfigError(f"PrivacyArguments.secret_seeds is {self.secret_seeds!r}; give True or False.")
+        privacy_section(self)  # the schema's checks of delta, clip_norm, clipping
+
+
+def privacy_section(args: PrivacyArguments) -> dict[str, Any]:
+    """The privacy.* keys of `args`, validated by the schema (messages name PrivacyArguments' fields)."""
+    from .config import run_config
+
+    section = {k: getattr(args, k) for k in ("delta", "clip_norm", "clipping") if getattr(args, k) is not None}
+    return _named(lambda: run_config(privacy=section, source="PrivacyArguments")["privacy"], "privacy",
+                  "PrivacyArguments", section)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingOptions:
+    """How the noisy steps execute; none of them changes the mechanism the accountant assumes.
+
+    sequence_length: tokens per row (texts are cut; default tokenizer.sequence_length, 64). physical_batch_size:
+    rows per micro-batch, a memory bound (default training.physical_batch_size, 64; for ULS at least G).
+    device: "cpu", "cuda" or "auto" (default: where the model is). precision: "fp32" or "bf16" (bf16 autocast on
+    CUDA). uls_examples_per_user: ULS uses a random k of each sampled user's examples per step (None: all).
+    gradient_checkpointing: recompute activations (memory; the same clipped sums). debug_step_log: also write the
+    noise-free per-step columns (batch loss, realised sizes) to train_log.parquet: outside the guarantee.
+    """
+
+    sequence_length: int | None = None
+    physical_batch_size: int | None = None
+    device: str | None = None
+    precision: str | None = None
+    uls_examples_per_user: int | None = None
+    gradient_checkpointing: bool | None = None
+    debug_step_log: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.config()
+
+    def training_section(self) -> dict[str, Any]:
+        names = ("physical_batch_size", "device", "precision", "uls_examples_per_user", "gradient_checkpointing",
+                 "debug_step_log")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def config(self, **sections: Any) -> dict:
+        """A validated run config with these options (and `sections`, e.g. privacy=...) over the defaults."""
+        from .config import run_config
+
+        training = {**sections.pop("training", {}), **self.training_section()}
+        section = dict(training)
+        if self.sequence_length is not None:
+            section["sequence_length"] = self.sequence_length
+        return _named(lambda: run_config(training=training, sequence_length=self.sequence_length,
+                                         source="TrainingOptions", **sections), "training", "TrainingOptions",
+                      section, extra={"tokenizer.sequence_length": "sequence_length"})
+
+
+def _named(build, prefix: str, owner: str, given: dict[str, Any], extra: dict[str, str] | None = None) -> Any:
+    """build(), with a schema ConfigError about key `prefix.X` (X a given field) re-worded to name `owner.X`."""
+    try:
+        return build()
+    except ConfigError as exc:
+        text = str(exc)
+        keys = {f"{prefix}.{k}": k for k in given} | (extra or {})
+        for key, field in keys.items():
+            text = re.sub(rf"(config key )?'{re.escape(key)}'", f"{owner}.{field}", text)
+            text = text.replace(key, f"{owner}.{field}")
+        text = text.replace(" See config/README.md.", " See docs/api.md.")
+        raise ConfigError(text) from None
+
+
+def check_target(method: Any, epsilon: Any, compute: Any, steps: Any) -> float:
+    """The target epsilon as a float, after checking the cell's arguments (ConfigError / PrivacyError)."""
+    from .errors import PrivacyError
+
+    if method not in METHODS:
+        raise ConfigError(f"method is {method!r}; allowed: {', '.join(METHODS)} (user-level sampling: 'uls').")
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or math.isnan(epsilon):
+        raise PrivacyError(f"epsilon is {epsilon!r}; give a number > 0 (or math.inf for the non-private reference).")
+    if not epsilon > 0:
+        raise PrivacyError(f"epsilon is {epsilon}; a DP guarantee needs epsilon > 0 (e.g. 1, 4 or 8; math.inf for "
+                           "the non-private reference without noise).")
+    for name, value in (("compute", compute), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ConfigError(f"{name} is {value!r}; give a whole number >= 1 (compute: examples processed in "
+                              "expectation over the run; steps: noisy steps T).")
+    return float(epsilon)

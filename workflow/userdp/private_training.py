@@ -1,0 +1,160 @@
+"""`userdp.make_private`: user-level DP training of your own model, optimizer and loop.
+
+    import torch, userdp
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained("path/to/checkpoint")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained("path/to/checkpoint"), LoraConfig(r=8, target_modules="all-linear"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    dp = userdp.make_private(model, optimizer, data=rows, user_column="author", text_column="body", tokenizer=tok,
+                             method="uls", epsilon=4.0, compute=2000, steps=20)
+    for _ in range(dp.spec.steps):
+        stats = dp.step()          # one noisy step: Poisson sample, clip per unit, noise once, optimizer.step()
+    print(dp.epsilon, dp.spec.noise_multiplier, dp.spec.group_size, stats.loss)
+    dp.save("out/own-loop")        # the released model (adapter), ledger.json, README.md model card
+
+`make_private` frames the rows as `userdp.fine_tune` does (bos + text + eos, cut to the sequence length),
+plans the mechanism with the pipeline's planner and rules (`userdp.plan`: G by the method's rule, the
+sampling rate that spends `compute` examples in `steps` steps, the noise multiplier calibrated to epsilon),
+bounds every user to G examples, and returns a `training.private.PrivateTraining` around the engine's own
+step. Or give `spec=` (a RunSpec from `userdp.plan`) to train a plan made before.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .arguments import PrivacyArguments, TrainingOptions, check_target, privacy_section
+from .errors import ConfigError
+from .privacy.spec import RunSpec
+
+
+def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_column: str | None = None,
+                 text_column: str | None = None, method: str | None = None, epsilon: float | None = None,
+                 compute: int | None = None, steps: int | None = None, privacy: PrivacyArguments | None = None,
+                 spec: RunSpec | None = None, options: TrainingOptions | None = None, scheduler: Any = None,
+                 delta: float | None = None, group_size: int | None = None, clip_norm: float | None = None,
+                 secret_seeds: bool = True, seed: int = 0,
+                 observe: Callable[[Any], None] | None = None) -> Any:
+    """User-level DP training of `model` (an nn.Module causal LM, a PeftModel too) with `optimizer` on `data`.
+
+    data: a pandas DataFrame, a pyarrow Table or a datasets.Dataset, one row per example; every user is a train
+    user. tokenizer: the model's tokenizer (an object, or a folder / hub id). The mechanism: method ("els" or
+    "uls"), epsilon (math.inf: the non-private reference), compute (examples processed in expectation, K), steps
+    (T), and optionally delta, group_size, clip_norm, secret_seeds, seed; or all of them as `privacy`
+    (PrivacyArguments, with the data's columns) and steps; or a calibrated `spec` (userdp.plan) instead of the
+    target. options: TrainingOptions (sequence length, physical batch, device, precision, ...). scheduler: a
+    learning-rate scheduler of `optimizer`, stepped after each optimizer step (or step it yourself). observe: the
+    engine's observation hook (tests and audits). Returns a PrivateTraining: `step()`, `epsilon`, `spec`,
+    `save(folder)`, `ledger()`.
+    """
+    from .api import _rows, _tokens_table
+    from .config import API_DATASET
+    from .layout import fmt_num
+    from .training import engine
+    from .training.finetune_job import bounding_seed
+    from .training.models import check_model_fits, special_ids
+    from .training.pool import build_pool
+    from .training.private import PrivateTraining
+    from .training.settings import TrainSettings
+
+    args = _privacy_arguments(privacy, method, epsilon, compute, user_column, text_column, delta, group_size,
+                              clip_norm, secret_seeds, seed, spec)
+    if spec is None:
+        if steps is None:
+            raise ConfigError("steps is missing: give the number of noisy steps T (or a calibrated spec=).")
+        check_target(args.method, args.epsilon, args.compute, steps)
+    options = options or TrainingOptions()
+    if options.device is None:
+        options = _with_model_device(options, model)
+    cfg = options.config(privacy=privacy_section(args), seed=args.seed)
+    if args.text_column is None:
+        raise ConfigError("PrivacyArguments.text_column is None; give the column that holds each example's text.")
+    users, texts = _rows(data, args.user_column, args.text_column)
+    with tempfile.TemporaryDirectory(prefix="userdp-make-private-") as staging:
+        tok = _project_tokenizer(tokenizer, Path(staging))
+    length = int(cfg["tokenizer"]["sequence_length"])
+    check_model_fits(model, type(model).__name__, tok, length)
+    table = _tokens_table(tok, users, texts, length)
+    if spec is None:
+        from .api import plan
+
+        counts = np.unique(np.asarray(users), return_counts=True)[1]
+        spec = plan(args.method, args.epsilon, counts=counts, compute=int(args.compute), steps=int(steps),
+                    group_size=args.group_size, privacy=cfg["privacy"], dataset=API_DATASET)
+    else:
+        spec = RunSpec.from_record(spec)
+        if steps is not None and int(steps) != spec.steps:
+            raise ConfigError(f"steps is {steps} but the spec plans {spec.steps}; give one of them.")
+    pool = build_pool(table, spec.group_size, bounding_seed(args.seed, API_DATASET, 0, spec.group_size))
+    lr = float(optimizer.param_groups[0]["lr"]) if hasattr(optimizer, "param_groups") else 0.0
+    settings = TrainSettings.from_config(cfg, lr)
+    settings.optimizer = f"{type(optimizer).__name__} (the caller's)"
+    settings.schedule = "the caller's" if scheduler is not None else "constant"
+    seeds = engine.run_seeds(args.seed, 0, API_DATASET, spec.method, fmt_num(spec.epsilon),
+                             spec.compute_budget or 0, spec.group_size, lr, secret=args.secret_seeds)
+    return PrivateTraining(model, optimizer, pool, spec, settings, seeds, special_ids(tok)["pad_token_id"],
+                           scheduler=scheduler, observe=observe)
+
+
+def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, compute, user_column, text_column,
+                       delta, group_size, clip_norm, secret_seeds, seed, spec) -> PrivacyArguments:
+    """The PrivacyArguments of make_private's keywords (or `privacy` itself; a spec stands for the target)."""
+    given = {k: v for k, v in (("method", method), ("epsilon", epsilon), ("compute", compute), ("delta", delta),
+                                ("group_size", group_size), ("clip_norm", clip_norm)) if v is not None}
+    if privacy is not None:
+        if not isinstance(privacy, PrivacyArguments):
+            raise ConfigError(f"privacy is a {type(privacy).__name__}; give userdp.PrivacyArguments(...).")
+        if given:
+            raise ConfigError(f"{sorted(given)} given both as keywords and in privacy=PrivacyArguments(...); give "
+                              "each once.")
+        return PrivacyArguments(**{**_fields(privacy), **{k: v for k, v in (("user_column", user_column),
+                                                                             ("text_column", text_column))
+                                                           if v is not None}})
+    if spec is not None:
+        spec = RunSpec.from_record(spec)
+        clash = sorted(set(given) - {"clip_norm"})
+        if clash:
+            raise ConfigError(f"{clash} given with spec=: the spec holds the mechanism; give one of them.")
+        given = {"method": spec.method, "epsilon": spec.epsilon, "compute": spec.compute_budget or 1}
+    missing = [k for k in ("method", "epsilon", "compute") if k not in given]
+    if missing:
+        raise ConfigError(f"{missing} missing: give method=, epsilon=, compute= and steps= (or privacy= with "
+                          "steps=, or a calibrated spec=).")
+    return PrivacyArguments(user_column=user_column or "user_id", text_column=text_column,
+                            secret_seeds=secret_seeds, seed=seed, **given)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _with_model_device(options: TrainingOptions, model: Any) -> TrainingOptions:
+    """`options` with the device the model is on (make_private trains it where the caller put it)."""
+    import dataclasses
+
+    try:
+        device = next(model.parameters()).device.type
+    except (AttributeError, StopIteration):
+        raise ConfigError(f"model is a {type(model).__name__} without parameters; give a torch nn.Module causal "
+                          "LM (AutoModelForCausalLM, or a PeftModel of one).") from None
+    return dataclasses.replace(options, device=device if device in ("cpu", "cuda") else "auto")
+
+
+def _project_tokenizer(tokenizer: Any, staging: Path) -> Any:
+    """The tokenizer as the pipeline prepares it (bos and pad fall back to eos), from an object or a name."""
+    from .api import _local_or_hub, _tokenizer
+
+    if isinstance(tokenizer, (str, Path)):
+        return _tokenizer(_local_or_hub(tokenizer), staging / "tokenizer")
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise ConfigError(f"tokenizer is a {type(tokenizer).__name__}; give the model's tokenizer "
+                          "(AutoTokenizer.from_pretrained(...)) or its folder.")
+    tokenizer.save_pretrained(staging / "given")
+    return _tokenizer(str(staging / "given"), staging / "tokenizer")
