@@ -425,17 +425,19 @@ def run_spec(setup: CellSetup, n_units: int, calibrated: Mapping[str, float]):
 
 
 def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: Mapping[str, Any] | None = None,
-               workdir: str | Path | None = None, dist=None,
+               dist=None,
                compute_epsilon: Callable[..., float] | None = None) -> dict[str, Any] | None:
-    """Train the audit's canaries through the real engine; every step's released canary and free rows.
+    """Train the audit's canaries through the real engine (PrivateTraining, make_private's core); every step's
+    released canary and free rows.
 
     settings: training settings of the config (optimizer, schedule, physical batch size, device); the
     learning rate is always 0 (module docstring). Returns None on ranks other than 0 of a process group.
     """
     import torch
 
-    from ..training import engine
+    from ..training import engine, optim
     from ..training.pool import build_pool
+    from ..training.private import PrivateTraining
     from ..training.settings import TrainSettings
 
     included = _coins(setup)
@@ -461,16 +463,20 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
 
     seeds = engine.run_seeds(int(setup.seed), 0, "mechanism-audit", setup.method, fmt(setup.epsilon), 0,
                              setup.group_size)
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        out = engine.train(model, pool, spec, train_settings, engine.RunPaths(Path(tmp) / "run"), seeds, 0,
-                           compute_epsilon=compute_epsilon, observe=observe, dist=dist)
-    if not out.complete:  # pragma: no cover - train runs every step without max_steps
-        raise RuntimeError("the audit's run stopped before its last step")
+    # The audit drives the core userdp.make_private returns (PrivateTraining: engine.setup + the engine's step),
+    # with the config's optimizer and schedule at learning rate 0; nothing is written.
+    optimizer = optim.make_optimizer([wte], train_settings.optimizer, 0.0)
+    scheduler = optim.make_scheduler(optimizer, train_settings.schedule, 0, setup.steps)
+    dp = PrivateTraining(model, optimizer, pool, spec, train_settings, seeds, 0, scheduler=scheduler,
+                         observe=observe, compute_epsilon=compute_epsilon, dist=dist)
+    while dp.steps_done < spec.steps:
+        dp.step()
     if dist is not None and dist.active and not dist.is_main:
         return None
+    ledger = dp.ledger()
     divisor = float(setup.sampling_rate) * n_units
     return {"included": included, "released": np.stack(released, 1), "free": np.stack(free, 1),
-            "gradients": grads, "divisor": divisor, "n_units": n_units, "ledger": out.ledger,
+            "gradients": grads, "divisor": divisor, "n_units": n_units, "ledger": ledger,
             "other_units": n_units - (int(included.sum()) * (setup.group_size if setup.method == "els" else 1))}
 
 
@@ -529,11 +535,11 @@ def score_run(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> dict[st
     return scores
 
 
-def audit_cell(setup: CellSetup, *, settings: Mapping[str, Any] | None = None, workdir: str | Path | None = None,
-               dist=None, dataset: str = "") -> dict[str, Any] | None:
+def audit_cell(setup: CellSetup, *, settings: Mapping[str, Any] | None = None, dist=None,
+               dataset: str = "") -> dict[str, Any] | None:
     """Calibrate, train and score one cell; its row of mechanism.csv (None on ranks other than 0)."""
     calibrated = calibrate_cell(setup)
-    run = train_cell(setup, calibrated, settings=settings, workdir=workdir, dist=dist)
+    run = train_cell(setup, calibrated, settings=settings, dist=dist)
     if run is None:
         return None
     sigma = calibrated["noise_multiplier"]
