@@ -59,6 +59,7 @@ def test_the_card_is_a_hugging_face_model_card():
     assert meta["library_name"] == "peft" and meta["base_model"] == "gpt2"
     assert "(epsilon, delta) = (3.98, 1e-05)" in text and "all examples of one user" in text
     assert "| contribution bound G | 8 examples per user |" in text
+    assert "| 1 example per user |" in model_card.render({**LEDGER, "group_size": 1})
     assert "each user included with probability 0.125" in text and "| noise multiplier | 1.75 |" in text
     assert "the public data the base model was pretrained on" in text and "secret seeds" in text
     assert "not the contribution statistics" in text and "code 0123456789abcdef" in text

@@ -34,6 +34,7 @@ _EXPORTS = {
     "StepStats": "userdp.training.private",
     "PrivacyArguments": "userdp.arguments",
     "TrainingOptions": "userdp.arguments",
+    "UserDPTrainer": "userdp.trainer",
     "UserError": "userdp.errors",
     "ConfigError": "userdp.errors",
     "DataError": "userdp.errors",

@@ -32,7 +32,7 @@ from ..errors import DataError
 from ..io import read_frame, read_json, write_json
 from ..training.model_card import write_card
 from ..training.ledger import MECHANISM_FIELDS, guarantee_epsilon, run_event
-from ..layout import fmt_num
+from ..layout import RUN_MODEL, fmt_num
 from ..privacy.selection import Selection
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,9 @@ def select_cell(
     if user_paths is not None:
         copy_user_scores(user_paths[i], out_users)
     write_json(out_ledger, ledger)
-    write_card(Path(out_ledger).parent, ledger, title="User-level DP fine-tuned model (the cell's released run, "
-               f"learning rate {fmt_num(metrics['learning_rate'])})")
+    cell, chosen = Path(out_ledger).parent, Path(ledger_paths[i]).parent
+    where = os.path.relpath(chosen / RUN_MODEL, cell)
+    write_card(cell, ledger, title=f"User-level DP fine-tuned model: the cell's released run ({where}/, learning "
+               f"rate {fmt_num(metrics['learning_rate'])})")
     write_json(out_metrics, metrics)
     return metrics

@@ -78,8 +78,8 @@ def arrays_digest(*arrays: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(ckpt_dir: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write `state` atomically to `ckpt_dir/state.pt` (folder 0700, file 0600).
+def save_checkpoint(ckpt_dir: str | os.PathLike, state: dict[str, Any], name: str = CHECKPOINT_FILE) -> Path:
+    """Write `state` atomically to `ckpt_dir/name` (default state.pt; folder 0700, file 0600).
 
     `state` must hold only tensors and plain Python values (what
     `load_checkpoint` accepts).
@@ -87,7 +87,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: dict[str, Any]) -> Path:
     folder = Path(ckpt_dir)
     folder.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     os.chmod(folder, DIR_MODE)  # mkdir's mode is masked by the umask, and the folder may predate this
-    path = folder / CHECKPOINT_FILE
+    path = folder / name
     with atomic_path(path, mode=FILE_MODE) as tmp:  # the temporary file is 0600 too (mkstemp)
         torch.save(state, tmp)
     return path

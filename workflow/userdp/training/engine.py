@@ -865,13 +865,22 @@ def write_release(run: Run, paths: RunPaths, compute_epsilon: Callable[..., floa
     """Write what the run releases into `paths` (rank 0): the model (or adapter), the per-step log, the ledger
     of the steps that ran and the model card rendered from it (in the run folder and the model folder); the
     ledger."""
+    save_model_atomic(run.state.model, paths.model_dir)
+    ledger = write_records(run, paths.run_dir, compute_epsilon)
+    model_card.write_card(paths.model_dir, ledger)  # replaces peft's empty template: the folder one uploads
+    return ledger
+
+
+def write_records(run: Run, folder: str | Path, compute_epsilon: Callable[..., float] | None = None
+                  ) -> dict[str, Any]:
+    """The records of a released model in `folder`: the per-step log, the ledger of the steps that ran and the
+    model card rendered from it (a Trainer's folder holds the model files beside them); the ledger."""
     ctx, state = run.ctx, run.state
+    paths = RunPaths(Path(folder))
     ledger = build_ledger(ctx.spec, run_facts(run), compute_epsilon)
-    save_model_atomic(state.model, paths.model_dir)
     # Per-step noise-free values (batch loss, realised sizes, timing) only with training.debug_step_log.
     write_parquet(paths.train_log, state.frame()[step_log.released_columns(ctx.settings.debug_step_log)])
     write_json(paths.ledger, ledger)
-    model_card.write_card(paths.model_dir, ledger)  # replaces peft's empty template: the folder one uploads
     model_card.write_card(paths.run_dir, ledger)
     return ledger
 

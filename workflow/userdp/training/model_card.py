@@ -136,7 +136,7 @@ def render(ledger: Mapping[str, Any], *, title: str | None = None, audit: Mappin
             f"| epsilon | {_num(f['epsilon'])} |",
             f"| delta | {_num(f['delta'], 3)} |",
             f"| method | {f['method_name']} |",
-            f"| contribution bound G | {f['group_size']} examples per user |",
+            f"| contribution bound G | {f['group_size']} example{'s' if f['group_size'] != 1 else ''} per user |",
             f"| sampling | Poisson, each {f['sampled_unit']} included with probability {_num(f['sampling_rate'])} "
             "per step |",
             f"| steps | {f['steps']} (planned {f['steps_planned']}) |",
