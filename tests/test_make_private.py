@@ -309,3 +309,21 @@ def test_replay_on_neighbouring_datasets_through_make_private(ckpt, method):
         assert gap <= bound + 1e-9, (gap, bound)
         sampled_victim += bool(mine)
     assert sampled_victim > 0  # the check saw the victim's units at least once
+
+
+@pytest.mark.integration
+def test_fine_tune_takes_a_lora_config_as_it_is(ckpt, tmp_path):
+    """A peft LoraConfig given to fine_tune trains the adapter the equivalent model.lora keys train."""
+    from peft import LoraConfig
+
+    common = dict(model=str(ckpt), data=users_frame(30), user_column="author", text_column="body", method="els",
+                  epsilon=2.0, compute=90, steps=3, secret_seeds=False)
+    a = userdp.fine_tune(output_dir=str(tmp_path / "keys"), lora={"r": 4, "alpha": 8}, **common)
+    b = userdp.fine_tune(output_dir=str(tmp_path / "config"),
+                         lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), **common)
+    assert a.ledger["adapter"] == b.ledger["adapter"] and b.ledger["adapter"]["r"] == 4
+    wa = userdp.load_released(tmp_path / "keys").state_dict()
+    wb = userdp.load_released(tmp_path / "config").state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ConfigError, match="lora is a str"):
+        userdp.fine_tune(output_dir=str(tmp_path / "bad"), lora="r=4", **common)

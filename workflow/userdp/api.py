@@ -307,7 +307,7 @@ def audit_mechanism(config: str | os.PathLike | Sequence[str | os.PathLike] | Ma
 
 def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_column: str, method: str,
               epsilon: float, compute: int, steps: int, output_dir: str | os.PathLike,
-              lora: Mapping[str, Any] | None = None, tokenizer: str | os.PathLike | None = None,
+              lora: Mapping[str, Any] | Any = None, tokenizer: str | os.PathLike | None = None,
               delta: float | None = None, learning_rate: float | None = None, group_size: int | None = None,
               sequence_length: int | None = None, seed: int = 0, secret_seeds: bool | None = None,
               privacy: Mapping[str, Any] | None = None, training: Mapping[str, Any] | None = None
@@ -320,7 +320,8 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_col
     non-private reference). compute: examples processed in expectation over the run (K). steps: noisy steps T.
     output_dir: the run folder (model/ or the LoRA adapter, ledger.json, train_log.parquet, plan.json); a run of
     the same inputs finished there before is restored, not retrained, and an interrupted one resumes.
-    lora: None = full fine-tuning, or model.lora keys (r, alpha, dropout, target_modules). tokenizer: default
+    lora: None = full fine-tuning, a peft LoraConfig (used as it is), or model.lora keys (r, alpha, dropout,
+    target_modules). tokenizer: default
     the model folder's. delta: default 1 / N^1.1. learning_rate: default training.learning_rates[0].
     secret_seeds: default True (user data: the sampling and noise randomness is fresh OS entropy, never
     written); False derives it from `seed` (reproducible, but the guarantee does not hold against whoever has
@@ -345,9 +346,10 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_col
     privacy_section = dict(privacy or {})
     if delta is not None:
         privacy_section["delta"] = delta
+    peft_config = _peft_lora(lora)
     cfg = run_config(model=model, tokenizer=None if tokenizer is None else _local_or_hub(tokenizer),
-                     lora=None if lora is None else dict(lora), seed=seed, privacy=privacy_section, training=train,
-                     sequence_length=sequence_length)
+                     lora=None if lora is None or peft_config is not None else dict(lora), seed=seed,
+                     privacy=privacy_section, training=train, sequence_length=sequence_length)
     lr = float(cfg["training"]["learning_rates"][0])
     secret = _secret(secret_seeds, cfg["privacy"]["secret_seeds"])
     users, texts = _rows(data, user_column, text_column)
@@ -357,13 +359,25 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_col
         counts = np.unique(np.asarray(users), return_counts=True)[1]
         spec = plan(method, eps, counts=counts, compute=compute, steps=steps, group_size=group_size,
                     privacy=cfg["privacy"], dataset=API_DATASET)
-        outcome = _train(cfg, spec, table, tok, model, out, lr, method, eps, int(compute), secret)
+        outcome = _train(cfg, spec, table, tok, model, out, lr, method, eps, int(compute), secret, peft_config)
     spec.write(out / PLAN_FILE)
     return FineTuneResult(out, spec, outcome.ledger)
 
 
+def _peft_lora(lora: Any) -> Any:
+    """`lora` when it is a peft LoraConfig (used as it is), else None (the model.lora keys, or no LoRA)."""
+    if lora is None or isinstance(lora, Mapping):
+        return None
+    from peft import LoraConfig
+
+    if isinstance(lora, LoraConfig):
+        return lora
+    raise ConfigError(f"lora is a {type(lora).__name__}; give a peft.LoraConfig, the model.lora keys as a dict "
+                      "(r, alpha, dropout, target_modules), or None for full fine-tuning.")
+
+
 def _train(cfg: dict, spec: RunSpec, table: Any, tok: Any, model: str, out: Path, lr: float, method: str,
-           eps: float, compute: int, secret: bool) -> Any:
+           eps: float, compute: int, secret: bool, peft_config: Any = None) -> Any:
     """Bound the pool to G and train through the pipeline's run (training.finetune_job.train_run)."""
     from .config import API_DATASET
     from .training import finetune_job
@@ -377,7 +391,8 @@ def _train(cfg: dict, spec: RunSpec, table: Any, tok: Any, model: str, out: Path
     try:
         outcome = finetune_job.train_run(finetune_job.RunInputs(
             config=cfg, spec=spec, pool=pool, tokenizer=tok, model=model, run_dir=str(out), learning_rate=lr,
-            dataset=API_DATASET, method=method, eps=fmt_num(eps), budget=compute, seed=run_seed, secret=secret))
+            dataset=API_DATASET, method=method, eps=fmt_num(eps), budget=compute, seed=run_seed, secret=secret,
+            lora=peft_config))
     except UserError:
         if created:  # bad input found while setting up (model, LoRA, G vs batch size): leave nothing behind
             shutil.rmtree(out, ignore_errors=True)

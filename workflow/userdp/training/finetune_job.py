@@ -108,12 +108,14 @@ class RunInputs:
     secret: bool
     log: str | None = None
     trial: int | None = None
+    lora: Any = None  # a peft LoraConfig given to userdp.fine_tune (used instead of model.lora), or None
 
 
 def train_run(run: RunInputs, dist: distributed.DistContext | None = None) -> engine.TrainOutcome:
     """Fine-tune the base model on the pool with the spec's mechanism (engine.train) into the run folder."""
     config = run.config
-    model = load_base_model(run.model, run.tokenizer, config["model"].get("lora"), config["seed"],
+    lora = run.lora if run.lora is not None else config["model"].get("lora")
+    model = load_base_model(run.model, run.tokenizer, lora, config["seed"],
                             config["tokenizer"]["sequence_length"])
     settings = TrainSettings.from_config(config, float(run.learning_rate))
     seeds = engine.run_seeds(config["seed"], int(run.seed), run.dataset, run.method, run.eps, run.budget,

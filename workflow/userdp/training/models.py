@@ -84,18 +84,28 @@ def lora_config(lora: dict[str, Any], fan_in_fan_out: bool = False):
                       target_modules=targets, bias="none", task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
 
 
-def apply_lora(model: torch.nn.Module, lora: dict[str, Any] | None, seed: int) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, lora: Any, seed: int) -> torch.nn.Module:
     """`model` with LoRA adapters of `model.lora` (peft), only they trainable; `model` itself when lora is None.
 
-    The adapters are initialised from `seed` (lora_A random, lora_B zero: the start is the base model).
+    lora: the `model.lora` keys, or a peft LoraConfig used as it is (fan_in_fan_out set for GPT-2's Conv1D, as
+    peft itself would). The adapters are initialised from `seed` (lora_A random, lora_B zero: the start is the
+    base model).
     """
     if not lora:
         return model
-    from peft import get_peft_model
+    import copy
+
+    from peft import LoraConfig, get_peft_model
 
     from transformers.pytorch_utils import Conv1D
 
-    cfg = lora_config(lora, fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()))
+    conv1d = any(isinstance(m, Conv1D) for m in model.modules())
+    if isinstance(lora, LoraConfig):
+        cfg = copy.deepcopy(lora)
+        cfg.fan_in_fan_out = bool(cfg.fan_in_fan_out or conv1d)
+        lora = {"r": cfg.r, "alpha": cfg.lora_alpha, "target_modules": cfg.target_modules}
+    else:
+        cfg = lora_config(lora, fan_in_fan_out=conv1d)
     torch.manual_seed(int(seed))
     try:
         peft_model = get_peft_model(model, cfg)
