@@ -47,12 +47,16 @@ def build_inputs(root: Path) -> dict:
     tiny_gpt2(root / "results/model/pretrained", seed=0)
     for i, cell in enumerate(iter_cells(cfg)):
         g = cell.group_size or (3 if cell.method == "els" else 4)
-        write_json(root / cell.plan_path, plan_record(cell.method, cell.epsilon, delta=1e-3, group_size=g,
-                                                      steps=cell.steps))
+        plan = plan_record(cell.method, cell.epsilon, delta=1e-3, group_size=g, steps=cell.steps)
+        write_json(root / cell.plan_path, plan)
+        # the mechanism fields a real ledger has (select renders the cell's model card from them)
+        mechanism = {k: plan[k] for k in ("sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size",
+                                           "delta", "accountant", "epsilon")}
         for j, lr in enumerate(cfg["training"]["learning_rates"]):
             run = root / cell.run_dir / f"lr~{fmt_num(lr)}"
             tiny_gpt2(run / "model", seed=100 + 10 * i + j)
-            write_json(run / "ledger.json", {"method": cell.method, "learning_rate": lr, "steps_completed": 6})
+            write_json(run / "ledger.json", {**mechanism, "method": cell.method, "learning_rate": lr,
+                                             "steps_completed": 6})
             pd.DataFrame({"step": range(1, 7), "loss": [4.5 - 0.1 * s - j for s in range(6)],
                           "update_signal_norm": [2.0 - 0.1 * s - j for s in range(6)]}).to_parquet(
                 run / "train_log.parquet")

@@ -96,3 +96,10 @@ def test_card_facts_are_the_ledger_values():
                 "epsilon", "seeds_mode"):
         assert facts[key] == LEDGER[key], key
     assert facts["steps"] == LEDGER["steps_completed"] and facts["code_digest"] == "0123456789abcdef"
+
+
+def test_a_ledger_without_the_guarantee_is_refused_naming_the_fields():
+    from userdp.errors import DataError
+
+    with pytest.raises(DataError, match=r"lacks \['epsilon', 'noise_multiplier'\]"):
+        model_card.render({k: v for k, v in LEDGER.items() if k not in ("epsilon", "noise_multiplier")})

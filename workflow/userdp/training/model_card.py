@@ -27,6 +27,8 @@ CARD = "README.md"
 TAGS = ("differential-privacy", "user-level-dp", "dp-sgd", "userdp")
 METHOD_NAMES = {"els": "DP-SGD with example-level sampling (ELS)", "uls": "DP-SGD with user-level sampling (ULS)"}
 SAMPLED_UNIT = {"els": "example of the user-bounded pool", "uls": "user"}
+#: The ledger fields a card cannot do without: the guarantee and the mechanism.
+REQUIRED = ("epsilon", "delta", "method", "group_size", "sampling_rate", "steps_completed", "noise_multiplier")
 #: What no run's epsilon covers: choices and data outside the mechanism.
 NOT_COVERED = (
     "the public data the base model was pretrained on, and the base model itself",
@@ -50,6 +52,12 @@ def _num(value: Any, digits: int = 4) -> str:
 
 def card_facts(ledger: Mapping[str, Any], audit: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The facts of the card, each read from the ledger (or the `audit` record): a flat dict."""
+    missing = [k for k in REQUIRED if k not in ledger]
+    if missing:
+        from ..errors import DataError
+
+        raise DataError(f"the ledger lacks {missing}, which the model card states; it is damaged or was not written "
+                        "by userdp: retrain the run (or restore its ledger.json).")
     selection = ledger.get("selection") or {}
     stats = ledger.get("contribution_stats") or None
     adapter = ledger.get("adapter") or None
