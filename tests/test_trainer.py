@@ -111,6 +111,11 @@ def test_a_resumed_run_continues_the_secret_streams(ckpt, tmp_path, monkeypatch)
     assert part._dp.steps_done == 4 and state.is_file()
     assert stat.S_IMODE(state.stat().st_mode) == 0o600
 
+    # a resume under another plan (here T = 12: more steps than accounted) is refused, the state left as it is
+    with pytest.raises(DataError, match="belongs to another plan"):
+        _trainer(ckpt, tmp_path / "b", max_steps=12).train(resume_from_checkpoint=str(state.parent))
+    assert state.is_file()
+
     rest: list = []
     _patch_secret(monkeypatch, 5000)  # fresh secrets at the restart: the checkpoint's streams must win
     resumed = _trainer(ckpt, tmp_path / "b", observe=_record(rest))

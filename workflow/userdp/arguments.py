@@ -16,9 +16,7 @@ import re
 from typing import Any
 
 from .errors import ConfigError
-
-#: The methods: example-level (els) or user-level (uls) Poisson sampling (privacy.mechanism.METHODS).
-METHODS = ("els", "uls")
+from .privacy.mechanism import METHODS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +25,7 @@ class PrivacyArguments:
 
     method: "els" or "uls". epsilon: the released model's target (math.inf: the non-private reference, no
     noise). compute: examples processed in expectation over the run (K). user_column / text_column: the data's
-    user id and text (or `messages_column`, chat data; see docs/api.md). delta: default 1 / N^1.1 for N users.
+    user id and text. delta: default 1 / N^1.1 for N users.
     group_size: the contribution bound G (default: the method's rule, median for ELS, snr for ULS).
     clip_norm, clipping: privacy.clip_norm (default 1.0) and privacy.clipping ("flat" or "normalized").
     secret_seeds: True (the default for user data): the sampling and noise randomness is fresh OS entropy,
@@ -103,7 +101,7 @@ class TrainingOptions:
         """A validated run config with these options (and `sections`, e.g. privacy=...) over the defaults."""
         from .config import run_config
 
-        training = {**sections.pop("training", {}), **self.training_section()}
+        training = self.training_section()
         section = dict(training)
         if self.sequence_length is not None:
             section["sequence_length"] = self.sequence_length

@@ -22,6 +22,7 @@ step. Or give `spec=` (a RunSpec from `userdp.plan`) to train a plan made before
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -52,15 +53,8 @@ def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_
     engine's observation hook (tests and audits). Returns a PrivateTraining: `step()`, `epsilon`, `spec`,
     `save(folder)`, `ledger()`.
     """
-    from .api import _rows, _tokens_table
-    from .config import API_DATASET
-    from .layout import fmt_num
-    from .training import engine
-    from .training.finetune_job import bounding_seed
-    from .training.models import check_model_fits, special_ids
-    from .training.pool import build_pool
+    from .training.models import special_ids
     from .training.private import PrivateTraining
-    from .training.settings import TrainSettings
 
     args = _privacy_arguments(privacy, method, epsilon, compute, user_column, text_column, delta, group_size,
                               clip_norm, secret_seeds, seed, spec)
@@ -72,6 +66,25 @@ def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_
     if options.device is None:
         options = _with_model_device(options, model)
     cfg = options.config(privacy=privacy_section(args), seed=args.seed)
+    tok, spec, pool = prepare_rows(data, args, tokenizer, model, cfg, steps=steps, spec=spec)
+    lr = float(optimizer.param_groups[0]["lr"]) if hasattr(optimizer, "param_groups") else 0.0
+    settings, seeds = run_settings(cfg, spec, args, lr, f"{type(optimizer).__name__} (the caller's)",
+                                   "the caller's" if scheduler is not None else "constant")
+    return PrivateTraining(model, optimizer, pool, spec, settings, seeds, special_ids(tok)["pad_token_id"],
+                           scheduler=scheduler, observe=observe)
+
+
+def prepare_rows(data: Any, args: PrivacyArguments, tokenizer: Any, model: Any, cfg: dict, *,
+                 steps: int | None = None, spec: RunSpec | None = None) -> tuple[Any, RunSpec, Any]:
+    """(tokenizer, spec, pool) of (user, text) rows for `model` (make_private's and UserDPTrainer's): the rows
+    checked and framed as `fine_tune` frames them, the mechanism planned for `steps` steps (or `spec` as given),
+    every user bounded to G."""
+    from .api import _rows, _tokens_table, plan
+    from .config import API_DATASET
+    from .training.finetune_job import bounding_seed
+    from .training.models import check_model_fits
+    from .training.pool import build_pool
+
     if args.text_column is None:
         raise ConfigError("PrivacyArguments.text_column is None; give the column that holds each example's text.")
     users, texts = _rows(data, args.user_column, args.text_column)
@@ -81,8 +94,6 @@ def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_
     check_model_fits(model, type(model).__name__, tok, length)
     table = _tokens_table(tok, users, texts, length)
     if spec is None:
-        from .api import plan
-
         counts = np.unique(np.asarray(users), return_counts=True)[1]
         spec = plan(args.method, args.epsilon, counts=counts, compute=int(args.compute), steps=int(steps),
                     group_size=args.group_size, privacy=cfg["privacy"], dataset=API_DATASET)
@@ -91,14 +102,23 @@ def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_
         if steps is not None and int(steps) != spec.steps:
             raise ConfigError(f"steps is {steps} but the spec plans {spec.steps}; give one of them.")
     pool = build_pool(table, spec.group_size, bounding_seed(args.seed, API_DATASET, 0, spec.group_size))
-    lr = float(optimizer.param_groups[0]["lr"]) if hasattr(optimizer, "param_groups") else 0.0
-    settings = TrainSettings.from_config(cfg, lr)
-    settings.optimizer = f"{type(optimizer).__name__} (the caller's)"
-    settings.schedule = "the caller's" if scheduler is not None else "constant"
-    seeds = engine.run_seeds(args.seed, 0, API_DATASET, spec.method, fmt_num(spec.epsilon),
-                             spec.compute_budget or 0, spec.group_size, lr, secret=args.secret_seeds)
-    return PrivateTraining(model, optimizer, pool, spec, settings, seeds, special_ids(tok)["pad_token_id"],
-                           scheduler=scheduler, observe=observe)
+    return tok, spec, pool
+
+
+def run_settings(cfg: dict, spec: RunSpec, args: PrivacyArguments, learning_rate: float, optimizer: str,
+                 schedule: str) -> tuple[Any, dict[str, Any]]:
+    """(TrainSettings, seeds) of a run of `spec` with the caller's optimizer and schedule (named for the ledger);
+    the seeds are the engine's run seeds, secret unless args.secret_seeds is False."""
+    from .config import API_DATASET
+    from .layout import fmt_num
+    from .training import engine
+    from .training.settings import TrainSettings
+
+    settings = TrainSettings.from_config(cfg, float(learning_rate))
+    settings.optimizer, settings.schedule = optimizer, schedule
+    seeds = engine.run_seeds(args.seed, 0, API_DATASET, spec.method, fmt_num(spec.epsilon), spec.compute_budget or 0,
+                             spec.group_size, float(learning_rate), secret=args.secret_seeds)
+    return settings, seeds
 
 
 def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, compute, user_column, text_column,
@@ -112,9 +132,8 @@ def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, comput
         if given:
             raise ConfigError(f"{sorted(given)} given both as keywords and in privacy=PrivacyArguments(...); give "
                               "each once.")
-        return PrivacyArguments(**{**_fields(privacy), **{k: v for k, v in (("user_column", user_column),
-                                                                             ("text_column", text_column))
-                                                           if v is not None}})
+        columns = {k: v for k, v in (("user_column", user_column), ("text_column", text_column)) if v is not None}
+        return dataclasses.replace(privacy, **columns)
     if spec is not None:
         spec = RunSpec.from_record(spec)
         clash = sorted(set(given) - {"clip_norm"})
@@ -129,16 +148,8 @@ def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, comput
                             secret_seeds=secret_seeds, seed=seed, **given)
 
 
-def _fields(obj: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-
-
 def _with_model_device(options: TrainingOptions, model: Any) -> TrainingOptions:
     """`options` with the device the model is on (make_private trains it where the caller put it)."""
-    import dataclasses
-
     try:
         device = next(model.parameters()).device.type
     except (AttributeError, StopIteration):

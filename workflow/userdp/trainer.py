@@ -45,12 +45,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
@@ -146,28 +143,14 @@ class UserDPTrainer(Trainer):
 
     # ------------------------------------------------------------------ the plan and the pool
     def _prepare(self, rows: Any) -> None:
-        from .api import _rows, _tokens_table, plan
-        from .config import API_DATASET
-        from .private_training import _project_tokenizer
-        from .training.finetune_job import bounding_seed
-        from .training.models import check_model_fits
-        from .training.pool import build_pool
+        """The plan of T = max_steps steps and the G-bounded pool of the rows (make_private's preparation)."""
+        from .private_training import prepare_rows
 
         p = self.privacy
         self._config = self._options.config(privacy=privacy_section(p), seed=p.seed)
-        if p.text_column is None:
-            raise ConfigError("PrivacyArguments.text_column is None; give the column that holds each example's text.")
-        users, texts = _rows(rows, p.user_column, p.text_column)
-        with tempfile.TemporaryDirectory(prefix="userdp-trainer-") as staging:
-            self._tok = _project_tokenizer(self.processing_class, Path(staging))
+        self._tok, self.spec, self._pool = prepare_rows(rows, p, self.processing_class, self.model, self._config,
+                                                        steps=int(self.args.max_steps))
         self._length = int(self._config["tokenizer"]["sequence_length"])
-        check_model_fits(self.model, type(self.model).__name__, self._tok, self._length)
-        table = _tokens_table(self._tok, users, texts, self._length)
-        counts = np.unique(np.asarray(users), return_counts=True)[1]
-        self.spec = plan(p.method, p.epsilon, counts=counts, compute=int(p.compute), steps=int(self.args.max_steps),
-                         group_size=p.group_size, privacy=self._config["privacy"], dataset=API_DATASET)
-        self._pool = build_pool(table, self.spec.group_size, bounding_seed(p.seed, API_DATASET, 0,
-                                                                           self.spec.group_size))
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """T step tickets, in order (no shuffling, no workers): the sample is the DP step's (module doc)."""
@@ -178,19 +161,15 @@ class UserDPTrainer(Trainer):
         """The PrivateTraining of this trainer, built at the first step (Trainer's optimizer exists then)."""
         if self._dp is not None:
             return self._dp
-        from .layout import fmt_num
-        from .training import engine
+        from .private_training import run_settings
         from .training.models import special_ids
         from .training.private import PrivateTraining
-        from .training.settings import TrainSettings
 
-        settings = TrainSettings.from_config(self._config, float(self.args.learning_rate))
-        settings.optimizer = f"{getattr(self.args.optim, 'value', self.args.optim)} (Trainer's)"
-        settings.schedule = f"{getattr(self.args.lr_scheduler_type, 'value', self.args.lr_scheduler_type)} (Trainer's)"
-        p, spec = self.privacy, self.spec
-        seeds = engine.run_seeds(p.seed, 0, "trainer", spec.method, fmt_num(spec.epsilon), spec.compute_budget or 0,
-                                 spec.group_size, float(self.args.learning_rate), secret=p.secret_seeds)
-        self._dp = PrivateTraining(self.model, self.optimizer, self._pool, spec, settings, seeds,
+        args = self.args
+        settings, seeds = run_settings(self._config, self.spec, self.privacy, float(args.learning_rate),
+                                       f"{getattr(args.optim, 'value', args.optim)} (Trainer's)",
+                                       f"{getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)} (Trainer's)")
+        self._dp = PrivateTraining(self.model, self.optimizer, self._pool, self.spec, settings, seeds,
                                    special_ids(self._tok)["pad_token_id"], observe=self._observe)
         if self._resume is not None:
             self._load_state(Path(self._resume))
@@ -222,9 +201,8 @@ class UserDPTrainer(Trainer):
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
                       ) -> torch.Tensor:
-        """The DP step's gradient: sample, clip per unit, noise once, divide (p.grad = the privatised update)."""
-        from .training.engine import _fingerprints
-
+        """The DP step's gradient: sample, clip per unit, noise once, divide (p.grad = the privatised update);
+        the step is counted after Trainer's optimizer step (`_CountSteps`)."""
         dp = self._core()
         dp.check()
         ticket = int(inputs["userdp_step"].reshape(-1)[0])
@@ -232,21 +210,15 @@ class UserDPTrainer(Trainer):
             raise RuntimeError(f"Trainer is at step {ticket} but the DP state at step {dp.steps_done}: resume from a "
                                "checkpoint with its userdp_state.pt.")
         model.train()
-        run = dp._run
-        t0 = time.monotonic()
-        sel, sums = run.step()
-        norms = run.step.update_norms()
-        before = _fingerprints(run.state.params) if run.unchecked else None
-        self._pending = (sel, sums, norms, run.state.learning_rate(), t0, before)
-        loss = sums.loss_sum / sums.n_rows if sums.n_rows else float("nan")
-        return torch.tensor(loss, device=self.args.device)
+        self._pending = dp._run.privatize()
+        sums = self._pending.sums
+        return torch.tensor(sums.loss_sum / sums.n_rows if sums.n_rows else float("nan"), device=self.args.device)
 
     def _complete_step(self) -> None:
         if self._pending is None:  # pragma: no cover - Trainer steps the optimizer only after a training_step
             raise RuntimeError("an optimizer step without a DP step")
-        sel, sums, norms, lr, t0, before = self._pending
-        self._pending = None
-        self._dp._run.complete(sel, sums, norms, lr, t0, before)
+        pending, self._pending = self._pending, None
+        self._dp._run.complete(pending)
 
     # ------------------------------------------------------------------ logs, checkpoints, release
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -631,28 +631,47 @@ class Run:
     unchecked: bool = True  # the first update at a learning rate > 0 of this invocation must move a parameter
 
     def advance(self, on_step: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
-        """One noisy step (DPStep: sample, clipped sum, noise once, divide), the optimizer's update, the step
-        counted and logged; its log row. The one step body of every client (`loop`, PrivateTraining.step)."""
+        """One noisy step (`privatize`), the optimizer's update, the step counted and logged (`complete`); its log
+        row. The one step body of every client (`loop`, PrivateTraining.step; UserDPTrainer runs the two halves
+        around Trainer's own optimizer step)."""
+        pending = self.privatize()
+        self.state.update()
+        return self.complete(pending, on_step)
+
+    def privatize(self) -> "PendingStep":
+        """DPStep (sample, clipped sum, noise once, divide): p.grad holds the privatised update; what `complete`
+        needs once the optimizer has stepped."""
         t0 = time.monotonic()
         sel, sums = self.step()
         norms = self.step.update_norms()  # before the optimizer step, which may touch p.grad
         before = _fingerprints(self.state.params) if self.unchecked else None
-        return self.complete(sel, sums, norms, self.state.update(), t0, before, on_step)
+        return PendingStep(sel, sums, norms, self.state.learning_rate(), t0, before)
 
-    def complete(self, sel: StepSelection, sums: StepSums, norms: tuple[float, float], lr: float, t0: float,
-                 before: torch.Tensor | None, on_step: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+    def complete(self, pending: "PendingStep", on_step: Callable[[int, dict], None] | None = None
+                 ) -> dict[str, Any]:
         """After the optimizer's update of a step: count and log it, check that the first update at a learning
-        rate > 0 moved a parameter (`before`: the parameters' fingerprints before the update, None: unchecked),
-        call `on_step` (step, row), then the hook; the log row."""
-        state = self.state
-        row = state.record(sel, sums, lr, time.monotonic() - t0, norms)
-        if before is not None and row["learning_rate"] > 0:  # a zero rate (warm-up, replay tests) moves nothing
-            _check_moved(state.params, before, state.step)
+        rate > 0 moved a parameter, call `on_step` (step, row), then the hook; the log row."""
+        state, p = self.state, pending
+        row = state.record(p.selection, p.sums, p.learning_rate, time.monotonic() - p.started, p.norms)
+        if p.before is not None and row["learning_rate"] > 0:  # a zero rate (warm-up, replay tests) moves nothing
+            _check_moved(state.params, p.before, state.step)
             self.unchecked = False
         if on_step is not None:
             on_step(state.step, row)
-        self.step.hook.after_step(state.step, sel, sums)
+        self.step.hook.after_step(state.step, p.selection, p.sums)
         return row
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A privatised step whose optimizer update is still to come (Run.privatize -> update -> Run.complete)."""
+
+    selection: StepSelection
+    sums: StepSums
+    norms: tuple[float, float]     # (||u||, its noise-corrected estimate) of the privatised update
+    learning_rate: float           # the rate the coming optimizer step uses
+    started: float                 # time.monotonic() at the step's start
+    before: torch.Tensor | None    # the parameters' fingerprints before the update (None: not checked)
 
 
 def train(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec | dict[str, Any], settings: TrainSettings,

@@ -28,11 +28,11 @@ import torch
 
 from ..errors import ConfigError, Preempted, run_main
 from ..layout import EVAL, RUN_MODEL
-from .model_card import CARD
 from ..privacy import seed_secrecy
 from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
 from . import distributed, engine, models, pool
+from .model_card import CARD
 from .settings import TrainSettings
 
 log = logging.getLogger(__name__)

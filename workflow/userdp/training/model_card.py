@@ -92,7 +92,7 @@ def card_facts(ledger: Mapping[str, Any], audit: Mapping[str, Any] | None = None
         "seeds_mode": ledger.get("seeds_mode"),
         "guarantee_caveat": ledger.get("guarantee_caveat"),
         "adapter": None if not adapter else dict(adapter),
-        "base_model": (adapter or {}).get("base_model") or ledger.get("base_model"),
+        "base_model": (adapter or {}).get("base_model"),
         "trainable_parameters": ledger.get("trainable_parameters"),
         "learning_rate": ledger.get("learning_rate"),
         "optimizer": ledger.get("optimizer"),
