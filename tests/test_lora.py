@@ -168,7 +168,7 @@ def test_an_update_that_moves_nothing_fails_loudly(pool, tmp_path):
         def __init__(self, model, clip_norm, normalize=False):
             self.params = [p for p in model.parameters() if p.requires_grad]
 
-        def accumulate(self, input_ids, attention_mask, unit_ids, row_weights):
+        def accumulate(self, input_ids, attention_mask, unit_ids, row_weights, loss_mask=None):
             for p in self.params:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad
             return MicroBatchStats(loss_sum=0.0, n_rows=int((unit_ids >= 0).sum()),

@@ -120,8 +120,10 @@ BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "code_version", 
 #: Top level: they may import every stage. config validates the whole config, so it reads each stage's
 #: declarations (the data-source registry, the run settings); no stage imports it. snakemake_args is the
 #: command line of `userdp run` (it starts the workflow); api, private_training (make_private), trainer
-#: (UserDPTrainer) and arguments (their typed settings) are the public Python API (docs/api.md).
-TOP_MODULES = ("config", "cli", "__main__", "snakemake_args", "api", "private_training", "arguments", "trainer")
+#: (UserDPTrainer), sft_trainer (UserDPSFTTrainer) and arguments (their typed settings) are the public Python
+#: API (docs/api.md).
+TOP_MODULES = ("config", "cli", "__main__", "snakemake_args", "api", "private_training", "arguments", "trainer",
+               "sft_trainer")
 STAGE_RANKS = {
     "base": 0,
     "data": 1,

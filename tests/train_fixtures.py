@@ -65,7 +65,7 @@ class LoopGradients:
         self.model, self.clip_norm, self.normalize = model, clip_norm, normalize
         self.calls = 0
 
-    def accumulate(self, input_ids, attention_mask, unit_ids, row_weights) -> dict:
+    def accumulate(self, input_ids, attention_mask, unit_ids, row_weights, loss_mask=None) -> dict:
         self.calls += 1
         params = [p for p in self.model.parameters() if p.requires_grad]
         loss_sum, n_rows, norms, clipped = 0.0, 0, [], 0
@@ -74,6 +74,8 @@ class LoopGradients:
             for r in torch.nonzero(unit_ids == u).flatten().tolist():
                 ids, mask = input_ids[r:r + 1], attention_mask[r:r + 1]
                 labels = ids.masked_fill(mask == 0, -100)
+                if loss_mask is not None:  # chat data: the answer tokens alone are targets
+                    labels = labels.masked_fill(~loss_mask[r:r + 1].bool(), -100)
                 loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
                 g = torch.autograd.grad(loss * row_weights[r], params)
                 for a, gi in zip(acc, g):
@@ -99,7 +101,7 @@ class ConstantGradients:
         self.model, self.value = model, value
         self.units_seen: list[int] = []
 
-    def accumulate(self, input_ids, attention_mask, unit_ids, row_weights) -> dict:
+    def accumulate(self, input_ids, attention_mask, unit_ids, row_weights, loss_mask=None) -> dict:
         n = int(torch.unique(unit_ids[unit_ids >= 0]).numel())
         self.units_seen.append(n)
         for p in self.model.parameters():

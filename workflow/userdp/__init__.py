@@ -35,6 +35,7 @@ _EXPORTS = {
     "PrivacyArguments": "userdp.arguments",
     "TrainingOptions": "userdp.arguments",
     "UserDPTrainer": "userdp.trainer",
+    "UserDPSFTTrainer": "userdp.sft_trainer",
     "UserError": "userdp.errors",
     "ConfigError": "userdp.errors",
     "DataError": "userdp.errors",

@@ -227,9 +227,10 @@ class EvaluationResult:
         return float(self.metrics["accuracy"])
 
 
-def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_column: str,
+def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_column: str | None = None,
              tokenizer: str | os.PathLike | None = None, sequence_length: int | None = None,
-             batch_size: int | None = None, device: str = "cpu") -> EvaluationResult:
+             batch_size: int | None = None, device: str = "cpu", messages_column: str | None = None,
+             prompt_column: str | None = None, completion_column: str | None = None) -> EvaluationResult:
     """Next-token metrics of a model on held-out users' (user, text) rows, overall and per user.
 
     model: a run folder (`fine_tune`'s output_dir or a pipeline run folder: its released model, a LoRA adapter
@@ -238,8 +239,10 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     folder's; a fully fine-tuned run folder holds none, so pass the folder of the model it was tuned from.
     sequence_length: default the pipeline's 64 (texts are cut as `fine_tune` cuts them). batch_size: default
     evaluation.batch_size. The metrics are the pipeline's rule evaluate's (userdp.evaluation.metrics), on every
-    row given.
+    row given. messages_column / prompt_column + completion_column: chat or instruction rows instead of text
+    (as `fine_tune`'s); the metrics are then over the answer tokens alone.
     """
+    from .data.chat import Framing
     from .config import run_config
     from .evaluation.metrics import per_user_scores, sequence_scores, summarise
     from .training.models import check_model_fits, resolve_device
@@ -251,7 +254,9 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     size = int(cfg["evaluation"]["batch_size"] if batch_size is None else batch_size)
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device is {device!r}; give 'cpu', 'cuda' or 'auto'.")
-    users, texts = _rows(data, user_column, text_column)
+    framing = Framing.of(text_column=text_column, messages_column=messages_column, prompt_column=prompt_column,
+                         completion_column=completion_column)
+    users, examples = _rows(data, user_column, framing)
     with tempfile.TemporaryDirectory(prefix="userdp-evaluate-") as staging:
         tok = _tokenizer(_local_or_hub(tokenizer) if tokenizer is not None else _tokenizer_of(model),
                          Path(staging) / "tokenizer")
@@ -259,10 +264,20 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     released = load_released(model, device=str(dev))
     length = int(cfg["tokenizer"]["sequence_length"])
     check_model_fits(released, str(model), tok, length)
-    table = _tokens_table(tok, users, texts, length)
+    table = _tokens_table(tok, users, examples, length, framing.kind)
     sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
-    nll, correct, n_targets = sequence_scores(released, sequences, size, dev)
+    masks = _loss_masks(table)
+    nll, correct, n_targets = sequence_scores(released, sequences, size, dev, masks)
     return EvaluationResult(summarise(nll, correct, n_targets, users), per_user_scores(nll, n_targets, users))
+
+
+def _loss_masks(table: Any) -> list[np.ndarray] | None:
+    """Each row's loss mask of a tokens table (chat and instruction data), or None (plain text)."""
+    from .data.chat import LOSS_MASK
+
+    if LOSS_MASK not in table.column_names:
+        return None
+    return [np.asarray(x, dtype=bool) for x in table.column(LOSS_MASK).to_pylist()]
 
 
 def _tokenizer_of(model: str | os.PathLike) -> str:
@@ -305,8 +320,10 @@ def audit_mechanism(config: str | os.PathLike | Sequence[str | os.PathLike] | Ma
     return mechanism_audit.run_audit(params, dataset, method=method, epsilon=epsilon, threads=threads)
 
 
-def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_column: str, method: str,
+def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, method: str,
               epsilon: float, compute: int, steps: int, output_dir: str | os.PathLike,
+              text_column: str | None = None, messages_column: str | None = None,
+              prompt_column: str | None = None, completion_column: str | None = None,
               lora: Mapping[str, Any] | Any = None, tokenizer: str | os.PathLike | None = None,
               delta: float | None = None, learning_rate: float | None = None, group_size: int | None = None,
               sequence_length: int | None = None, seed: int = 0, secret_seeds: bool | None = None,
@@ -316,7 +333,10 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_col
 
     model: a Hugging Face causal LM folder saved with save_pretrained (or a hub id). data: a pandas DataFrame (or
     anything with columns) with one row per example, `user_column` naming its user and `text_column` its text;
-    every user is a train user. method: "els" or "uls". epsilon: the released model's target (math.inf: the
+    every user is a train user. Chat data: `messages_column` (each row a list of {"role", "content"} dicts,
+    framed with the tokenizer's chat template, the loss on the assistant's messages only) instead of
+    `text_column`; instruction data: `prompt_column` and `completion_column` (the loss on the completion only).
+    method: "els" or "uls". epsilon: the released model's target (math.inf: the
     non-private reference). compute: examples processed in expectation over the run (K). steps: noisy steps T.
     output_dir: the run folder (model/ or the LoRA adapter, ledger.json, train_log.parquet, plan.json); a run of
     the same inputs finished there before is restored, not retrained, and an interrupted one resumes.
@@ -332,8 +352,16 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_col
     """
     from .config import API_DATASET, run_config
 
+    from .data.chat import Framing
+
+    from .data.chat import Framing
+
     eps = _check_target(method, epsilon, compute, steps)
     group_size = _check_group_size(group_size)
+    framing = Framing.of(text_column=text_column, messages_column=messages_column, prompt_column=prompt_column,
+                         completion_column=completion_column)
+    framing = Framing.of(text_column=text_column, messages_column=messages_column, prompt_column=prompt_column,
+                         completion_column=completion_column)
     out = _output_dir(output_dir)
     model = _local_or_hub(model)
     train = dict(training or {})
@@ -352,10 +380,10 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, text_col
                      privacy=privacy_section, training=train, sequence_length=sequence_length)
     lr = float(cfg["training"]["learning_rates"][0])
     secret = _secret(secret_seeds, cfg["privacy"]["secret_seeds"])
-    users, texts = _rows(data, user_column, text_column)
+    users, examples = _rows(data, user_column, framing)
     with tempfile.TemporaryDirectory(prefix="userdp-fine-tune-") as staging:
         tok = _tokenizer(cfg["tokenizer"]["name"], Path(staging) / "tokenizer")
-        table = _tokens_table(tok, users, texts, int(cfg["tokenizer"]["sequence_length"]))
+        table = _tokens_table(tok, users, examples, int(cfg["tokenizer"]["sequence_length"]), framing.kind)
         counts = np.unique(np.asarray(users), return_counts=True)[1]
         spec = plan(method, eps, counts=counts, compute=compute, steps=steps, group_size=group_size,
                     privacy=cfg["privacy"], dataset=API_DATASET)
@@ -423,27 +451,41 @@ def _output_dir(output_dir: str | os.PathLike) -> Path:
     return out
 
 
-def _rows(data: Any, user_column: str, text_column: str) -> tuple[list[str], list[str]]:
-    """(user ids, texts) of the rows, checked: both columns exist, every row has a user id and a text."""
+def _rows(data: Any, user_column: str, framing: Any) -> tuple[list[str], list]:
+    """(user ids, examples) of the rows, checked: the columns exist, every row has a user id and an example.
+
+    framing: a `data.chat.Framing`, or the text column's name (plain text). The examples are texts, checked
+    conversations (lists of {"role", "content"} dicts) or (prompt, completion) pairs.
+    """
+    from .data.chat import Framing, check_example
+
+    if isinstance(framing, str):
+        framing = Framing.of(text_column=framing)
+    wanted = (user_column, *framing.columns)
     names = getattr(data, "column_names", None)  # a pyarrow Table's `columns` are its arrays
     columns = [str(c) for c in (names if names is not None else getattr(data, "columns", []))]
+    named = " and ".join(repr(c) for c in wanted)
     if not columns:
         raise DataError(f"data is a {type(data).__name__}; give a pandas DataFrame (or pyarrow Table) with one row "
-                        f"per example and the columns {user_column!r} and {text_column!r}.")
-    missing = [c for c in (user_column, text_column) if c not in columns]
+                        f"per example and the columns {named}.")
+    missing = [c for c in wanted if c not in columns]
     if missing:
-        raise DataError(f"data has no column(s) {missing} (user_column {user_column!r}, text_column "
-                        f"{text_column!r}); its columns are {columns}. Rename them or pass the right names.")
-    twice = sorted({c for c in (user_column, text_column) if columns.count(c) > 1})
+        given = ", ".join(f"{k} {v!r}" for k, v in zip(("user_column", *_column_keys(framing)), wanted))
+        raise DataError(f"data has no column(s) {missing} ({given}); its columns are {columns}. Rename them or "
+                        "pass the right names.")
+    twice = sorted({c for c in wanted if columns.count(c) > 1})
     if twice:
         raise DataError(f"data has the column(s) {twice} more than once; rename or drop the copies.")
-    users, texts = _column(data, user_column), _column(data, text_column)
+    users = _column(data, user_column)
+    values = [_column(data, c) for c in framing.columns]
     if not users:
         raise DataError("data has no rows; it needs at least one row per train user.")
     from pandas import isna
 
     kinds = set()
-    for i, (u, t) in enumerate(zip(users, texts)):
+    examples = []
+    where_column = "column " + " / ".join(repr(c) for c in framing.columns)
+    for i, u in enumerate(users):
         if u is None or (not isinstance(u, (str, list, tuple)) and isna(u)) or not str(u).strip():
             raise DataError(f"data row {i} has no user id in column {user_column!r}; every row needs one: fill "
                             "it in or drop the row.")
@@ -451,13 +493,16 @@ def _rows(data: Any, user_column: str, text_column: str) -> tuple[list[str], lis
             raise DataError(f"data row {i}: user id {u!r} in column {user_column!r} is a {type(u).__name__}; "
                             "user ids must be strings or integers.")
         kinds.add(str if isinstance(u, str) else int)
-        if not isinstance(t, str):
-            raise DataError(f"data row {i}: column {text_column!r} holds {t!r} ({type(t).__name__}), not text; "
-                            "store the texts as strings and drop rows without one.")
+        examples.append(check_example(framing.kind, [v[i] for v in values], f"data row {i}: {where_column}"))
     if len(kinds) > 1:
         raise DataError(f"column {user_column!r} mixes integer and string user ids (7 and '7' would become one "
                         "user); store them all as strings or all as integers.")
-    return [str(u) for u in users], list(texts)
+    return [str(u) for u in users], examples
+
+
+def _column_keys(framing: Any) -> tuple[str, ...]:
+    return {"text": ("text_column",), "messages": ("messages_column",),
+            "prompt_completion": ("prompt_column", "completion_column")}[framing.kind]
 
 
 def _column(data: Any, name: str) -> list:
@@ -474,20 +519,35 @@ def _tokenizer(name: str, folder: Path) -> Any:
     return load_tokenizer(folder)
 
 
-def _tokens_table(tok: Any, users: list[str], texts: list[str], sequence_length: int) -> Any:
-    """The rows as a tokens table (the data stage's columns): bos + text + eos, cut to the sequence length."""
+def _tokens_table(tok: Any, users: list[str], examples: list, sequence_length: int, kind: str = "text") -> Any:
+    """The rows as a tokens table (the data stage's columns): bos + text + eos cut to the sequence length, or
+    chat / instruction examples framed by `data.chat.frame_examples` with their `loss_mask` column."""
     import pyarrow as pa
 
-    from .data.tokenize import encode, frame, special_token_ids
+    from .data.chat import LOSS_MASK, frame_examples
+    from .data.token_ids import special_token_ids
+    from .data.tokenize import encode, frame
 
-    flat, lengths = encode(tok, texts)
-    bos, eos = special_token_ids(tok)
-    ids, out_len, _ = frame(flat, lengths, bos, eos, sequence_length, "truncate")
+    mask = None
+    if kind == "text":
+        flat, lengths = encode(tok, examples)
+        bos, eos = special_token_ids(tok)
+        ids, out_len, _ = frame(flat, lengths, bos, eos, sequence_length, "truncate")
+    else:
+        ids, out_len, mask, empty = frame_examples(tok, kind, examples, sequence_length,
+                                                   where=[f"data row {i}" for i in range(len(examples))])
+        if empty:
+            log.warning("%d of %d rows have no answer token within the first %d tokens (sequence_length): they "
+                        "train nothing; raise the sequence length or shorten the prompts", empty, len(examples),
+                        sequence_length)
     offsets = np.concatenate([[0], np.cumsum(out_len)]).astype(np.int32)
-    return pa.table({
+    columns = {
         "user_id": pa.array(users, pa.string()),
         "example_id": pa.array(np.arange(len(users), dtype=np.int64)),
         "split": pa.array(["train"] * len(users), pa.string()),
         "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.int32())),
         "n_tokens": pa.array(out_len.astype(np.int32)),
-    })
+    }
+    if mask is not None:
+        columns[LOSS_MASK] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask, pa.bool_()))
+    return pa.table(columns)

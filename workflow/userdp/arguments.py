@@ -25,7 +25,9 @@ class PrivacyArguments:
 
     method: "els" or "uls". epsilon: the released model's target (math.inf: the non-private reference, no
     noise). compute: examples processed in expectation over the run (K). user_column / text_column: the data's
-    user id and text. delta: default 1 / N^1.1 for N users.
+    user id and text (default "text"); or messages_column (chat: a list of {"role", "content"} dicts per row,
+    framed with the tokenizer's chat template, the loss on the assistant's messages only), or prompt_column with
+    completion_column (the loss on the completion only). delta: default 1 / N^1.1 for N users.
     group_size: the contribution bound G (default: the method's rule, median for ELS, snr for ULS).
     clip_norm, clipping: privacy.clip_norm (default 1.0) and privacy.clipping ("flat" or "normalized").
     secret_seeds: True (the default for user data): the sampling and noise randomness is fresh OS entropy,
@@ -37,13 +39,26 @@ class PrivacyArguments:
     epsilon: float
     compute: int
     user_column: str = "user_id"
-    text_column: str | None = "text"
+    text_column: str | None = None
     delta: float | None = None
     group_size: int | None = None
     clip_norm: float | None = None
     clipping: str | None = None
     secret_seeds: bool = True
     seed: int = 0
+    messages_column: str | None = None
+    prompt_column: str | None = None
+    completion_column: str | None = None
+
+    def framing(self) -> Any:
+        """The data's kind of example and its columns (`data.chat.Framing`); plain text in "text" by default."""
+        from .data.chat import Framing
+
+        columns = {k: getattr(self, k) for k in ("text_column", "messages_column", "prompt_column",
+                                                 "completion_column")}
+        if all(v is None for v in columns.values()):
+            columns["text_column"] = "text"
+        return Framing.of(owner="PrivacyArguments.", **columns)
 
     def __post_init__(self) -> None:
         check_target(self.method, self.epsilon, self.compute, 1)
@@ -51,10 +66,9 @@ class PrivacyArguments:
                                             not isinstance(self.group_size, numbers.Integral) or self.group_size < 1):
             raise ConfigError(f"PrivacyArguments.group_size is {self.group_size!r}; give a whole number G >= 1 (each "
                               "user's examples are bounded to G), or None for the method's rule.")
-        for name in ("user_column", "text_column"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"PrivacyArguments.{name} is {value!r}; give the column's name.")
+        if not isinstance(self.user_column, str) or not self.user_column:
+            raise ConfigError(f"PrivacyArguments.user_column is {self.user_column!r}; give the column's name.")
+        self.framing()
         if not isinstance(self.secret_seeds, bool):
             raise ConfigError(f"PrivacyArguments.secret_seeds is {self.secret_seeds!r}; give True or False.")
         privacy_section(self)  # the schema's checks of delta, clip_norm, clipping

@@ -39,12 +39,16 @@ def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_
                  compute: int | None = None, steps: int | None = None, privacy: PrivacyArguments | None = None,
                  spec: RunSpec | None = None, options: TrainingOptions | None = None, scheduler: Any = None,
                  delta: float | None = None, group_size: int | None = None, clip_norm: float | None = None,
-                 secret_seeds: bool = True, seed: int = 0,
+                 secret_seeds: bool = True, seed: int = 0, messages_column: str | None = None,
+                 prompt_column: str | None = None, completion_column: str | None = None,
                  observe: Callable[[Any], None] | None = None) -> Any:
     """User-level DP training of `model` (an nn.Module causal LM, a PeftModel too) with `optimizer` on `data`.
 
     data: a pandas DataFrame, a pyarrow Table or a datasets.Dataset, one row per example; every user is a train
-    user. tokenizer: the model's tokenizer (an object, or a folder / hub id). The mechanism: method ("els" or
+    user; text_column holds its text, or messages_column a conversation (a list of {"role", "content"} dicts,
+    framed with the tokenizer's chat template; the loss, and so every clipped gradient, on the assistant's
+    messages only), or prompt_column and completion_column an instruction pair (the loss on the completion).
+    tokenizer: the model's tokenizer (an object, or a folder / hub id). The mechanism: method ("els" or
     "uls"), epsilon (math.inf: the non-private reference), compute (examples processed in expectation, K), steps
     (T), and optionally delta, group_size, clip_norm, secret_seeds, seed; or all of them as `privacy`
     (PrivacyArguments, with the data's columns) and steps; or a calibrated `spec` (userdp.plan) instead of the
@@ -56,8 +60,11 @@ def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_
     from .training.models import special_ids
     from .training.private import PrivateTraining
 
-    args = _privacy_arguments(privacy, method, epsilon, compute, user_column, text_column, delta, group_size,
-                              clip_norm, secret_seeds, seed, spec)
+    columns = {k: v for k, v in (("user_column", user_column), ("text_column", text_column),
+                                  ("messages_column", messages_column), ("prompt_column", prompt_column),
+                                  ("completion_column", completion_column)) if v is not None}
+    args = _privacy_arguments(privacy, method, epsilon, compute, columns, delta, group_size, clip_norm,
+                              secret_seeds, seed, spec)
     if spec is None:
         if steps is None:
             raise ConfigError("steps is missing: give the number of noisy steps T (or a calibrated spec=).")
@@ -85,14 +92,13 @@ def prepare_rows(data: Any, args: PrivacyArguments, tokenizer: Any, model: Any, 
     from .training.models import check_model_fits
     from .training.pool import build_pool
 
-    if args.text_column is None:
-        raise ConfigError("PrivacyArguments.text_column is None; give the column that holds each example's text.")
-    users, texts = _rows(data, args.user_column, args.text_column)
+    framing = args.framing()
+    users, examples = _rows(data, args.user_column, framing)
     with tempfile.TemporaryDirectory(prefix="userdp-make-private-") as staging:
         tok = _project_tokenizer(tokenizer, Path(staging))
     length = int(cfg["tokenizer"]["sequence_length"])
     check_model_fits(model, type(model).__name__, tok, length)
-    table = _tokens_table(tok, users, texts, length)
+    table = _tokens_table(tok, users, examples, length, framing.kind)
     if spec is None:
         counts = np.unique(np.asarray(users), return_counts=True)[1]
         spec = plan(args.method, args.epsilon, counts=counts, compute=int(args.compute), steps=int(steps),
@@ -121,7 +127,7 @@ def run_settings(cfg: dict, spec: RunSpec, args: PrivacyArguments, learning_rate
     return settings, seeds
 
 
-def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, compute, user_column, text_column,
+def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, compute, columns: dict[str, str],
                        delta, group_size, clip_norm, secret_seeds, seed, spec) -> PrivacyArguments:
     """The PrivacyArguments of make_private's keywords (or `privacy` itself; a spec stands for the target)."""
     given = {k: v for k, v in (("method", method), ("epsilon", epsilon), ("compute", compute), ("delta", delta),
@@ -132,7 +138,9 @@ def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, comput
         if given:
             raise ConfigError(f"{sorted(given)} given both as keywords and in privacy=PrivacyArguments(...); give "
                               "each once.")
-        columns = {k: v for k, v in (("user_column", user_column), ("text_column", text_column)) if v is not None}
+        if set(columns) - {"user_column"}:  # the example columns given here replace the arguments' kind
+            privacy = dataclasses.replace(privacy, text_column=None, messages_column=None, prompt_column=None,
+                                          completion_column=None)
         return dataclasses.replace(privacy, **columns)
     if spec is not None:
         spec = RunSpec.from_record(spec)
@@ -144,8 +152,8 @@ def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, comput
     if missing:
         raise ConfigError(f"{missing} missing: give method=, epsilon=, compute= and steps= (or privacy= with "
                           "steps=, or a calibrated spec=).")
-    return PrivacyArguments(user_column=user_column or "user_id", text_column=text_column,
-                            secret_seeds=secret_seeds, seed=seed, **given)
+    return PrivacyArguments(**{"user_column": "user_id", **columns}, secret_seeds=secret_seeds, seed=seed,
+                            **given)
 
 
 def _with_model_device(options: TrainingOptions, model: Any) -> TrainingOptions:

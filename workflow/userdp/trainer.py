@@ -13,7 +13,9 @@
 How it maps onto Trainer (transformers 5.24):
 
 - The plan is made when the trainer is built: the rows of `train_dataset` (a datasets.Dataset, a pandas
-  DataFrame or a pyarrow Table of (user, text) rows) are framed as `fine_tune` frames them and bounded to G;
+  DataFrame or a pyarrow Table of (user, text), (user, messages) or (user, prompt, completion) rows) are
+  framed as `fine_tune` frames them (chat: the tokenizer's chat template, the loss on the assistant's
+  messages) and bounded to G;
   `userdp.plan` calibrates the noise for T = `args.max_steps` steps; `trainer.spec` is the RunSpec.
 - The training data loader yields T step tickets, one per noisy step; the step itself (in `training_step`)
   draws that step's Poisson sample of users (ULS) or bounded examples (ELS) from the engine's keyed sampler,
@@ -114,11 +116,15 @@ def check_arguments(args: Any) -> None:
 class UserDPTrainer(Trainer):
     """A transformers.Trainer whose every training step is a user-level DP step of `privacy` (see the module doc).
 
-    privacy: PrivacyArguments (method, epsilon, compute, user_column, text_column, ...). options:
+    privacy: PrivacyArguments (method, epsilon, compute, user_column, text_column or messages_column or
+    prompt_column + completion_column, ...). options:
     TrainingOptions (sequence_length, physical_batch_size, ...; the device is Trainer's). observe: the engine's
     observation hook (tests and audits). Other arguments are Trainer's; `processing_class` (the tokenizer) is
     required.
     """
+
+    #: Whether the parent class's __init__ takes train_dataset (UserDPSFTTrainer's SFTTrainer does).
+    _rows_to_parent = False
 
     def __init__(self, *args: Any, privacy: PrivacyArguments, options: TrainingOptions | None = None,
                  observe: Callable[[Any], None] | None = None, **kwargs: Any) -> None:
@@ -126,7 +132,9 @@ class UserDPTrainer(Trainer):
             raise ConfigError(f"privacy is a {type(privacy).__name__}; give userdp.PrivacyArguments(...).")
         rows = kwargs.pop("train_dataset", None)
         if rows is None:
-            raise ConfigError("train_dataset is missing: give the (user, text) rows to train on.")
+            raise ConfigError("train_dataset is missing: give the rows to train on (user and example columns).")
+        if self._rows_to_parent:  # a parent Trainer that must see the rows (TRL's SFTTrainer; it leaves them as they are)
+            kwargs["train_dataset"] = rows
         super().__init__(*args, **kwargs)
         check_arguments(self.args)
         if self.processing_class is None:
@@ -182,8 +190,7 @@ class UserDPTrainer(Trainer):
 
         pool = self._pool
         return {"plan": {k: getattr(self.spec, k) for k in FINGERPRINT_PLAN_KEYS},
-                "pool": ckpt.arrays_digest(pool.user_offsets, pool.example_ids, pool.token_offsets,
-                                           pool.token_values)}
+                "pool": ckpt.arrays_digest(*pool.content_arrays())}
 
     def _load_state(self, folder: Path) -> None:
         path = folder / STATE_FILE
@@ -280,30 +287,34 @@ class UserDPTrainer(Trainer):
 
     # ------------------------------------------------------------------ evaluation
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
-        """Held-out users' (user, text) rows framed as the training rows (bos + text + eos, cut to the sequence
-        length), with labels on every target token; datasets already tokenized go to Trainer as they are."""
+        """Held-out users' rows framed as the training rows (text: bos + text + eos; chat and instruction
+        rows by their framing), cut to the sequence length, with labels on the tokens the training loss is
+        on (every token, or the answers); datasets already tokenized go to Trainer as they are."""
         data = self.eval_dataset if eval_dataset is None else eval_dataset
         if isinstance(data, str):
             data = self.eval_dataset[data]
         names = getattr(data, "column_names", None)
         columns = list(names if names is not None else getattr(data, "columns", []))
-        if self.privacy.text_column not in columns:
+        if not set(self.privacy.framing().columns) <= set(columns):
             return super().get_eval_dataloader(eval_dataset)
         return super().get_eval_dataloader(self._framed(data))
 
     def _framed(self, data: Any) -> Any:
         import datasets
 
-        from .api import _rows, _tokens_table
+        from .api import _loss_masks, _rows, _tokens_table
         from .training.models import special_ids
 
-        users, texts = _rows(data, self.privacy.user_column, self.privacy.text_column)
-        table = _tokens_table(self._tok, users, texts, self._length)
+        framing = self.privacy.framing()
+        users, examples = _rows(data, self.privacy.user_column, framing)
+        table = _tokens_table(self._tok, users, examples, self._length, framing.kind)
         pad = special_ids(self._tok)["pad_token_id"]
+        masks = _loss_masks(table)
         ids, mask, labels = [], [], []
-        for row in table.column("input_ids").to_pylist():
+        for i, row in enumerate(table.column("input_ids").to_pylist()):
             n = len(row)
+            target = row if masks is None else [t if m else -100 for t, m in zip(row, masks[i])]
             ids.append(row + [pad] * (self._length - n))
             mask.append([1] * n + [0] * (self._length - n))
-            labels.append(row + [-100] * (self._length - n))
+            labels.append(target + [-100] * (self._length - n))
         return datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": mask, "labels": labels})

@@ -49,6 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .chat import LOSS_MASK
 from ..errors import ConfigError, DataError
 from ..io import ParquetBatchWriter, read_table, streaming_parquet
 from ..seeding import seed_sequence, user_hashes
@@ -305,6 +306,8 @@ def _canary_rows(canaries: pa.Table, schema: pa.Schema, first_example_id: int) -
         "split": pa.array(["train"] * n, pa.string()),
         "input_ids": pa.array(seqs, pa.list_(pa.int32())),
         "n_tokens": pa.array([len(s) for s in seqs], pa.int32()),
+        # chat data: a canary is a plain sequence, every token of it a target
+        LOSS_MASK: pa.array([[True] * len(s) for s in seqs], pa.list_(pa.bool_())),
     }
     arrays = []
     for field in schema:

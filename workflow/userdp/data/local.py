@@ -46,6 +46,7 @@ import pyarrow.csv as pacsv
 from ..errors import ConfigError, DataError
 from ..io import streaming_parquet
 from .base import RAW_SCHEMA
+from .chat import Framing, check_example, to_text
 from .sources import source_keys
 from .spec_keys import check_keys, max_examples
 
@@ -91,7 +92,9 @@ class LocalSource:
             raise ConfigError(f"datasets.{name}.path is required for source 'local': the Parquet/JSONL/CSV file.")
         self.path = Path(spec["path"]).expanduser()
         self.user_column = spec.get("user_column") or "user_id"
-        self.text_column = spec.get("text_column") or "text"
+        self.framing = Framing.of_spec(name, spec)
+        self.columns = list(self.framing.columns)  # the example's columns: [text] or [messages] or [prompt, completion]
+        self.text_column = self.columns[0]
         self.group_column = spec.get("group_column") or None
         if self.group_column is not None and not isinstance(self.group_column, str):
             raise ConfigError(f"datasets.{name}.group_column is {self.group_column!r}; it must be a column name "
@@ -116,10 +119,12 @@ class LocalSource:
         return DataError(f"{self.path} (datasets.{self.name}, format {self.format}): {what}")
 
     def _missing_columns(self, names: list[str]) -> DataError:
-        missing = [c for c in (self.user_column, self.text_column) if c not in names]
+        missing = [c for c in (self.user_column, *self.columns) if c not in names]
+        keys = {"text": "text_column", "messages": "messages_column",
+                "prompt_completion": "prompt_column / completion_column"}[self.framing.kind]
         return self._err(
             f"missing column(s) {missing}; the file has columns {names}. Rename the columns or set "
-            f"datasets.{self.name}.user_column / text_column."
+            f"datasets.{self.name}.user_column / {keys}."
         )
 
     def _check_file(self) -> None:
@@ -179,6 +184,31 @@ class LocalSource:
             )
         return users
 
+    def _examples(self, values: list[list], locate: Locate, json_cells: bool = False) -> pa.Array:
+        """The stored text (`chat.to_text`) of chat or instruction examples, each checked; `values` holds the
+        example columns' Python values. json_cells: a messages cell is JSON text (CSV)."""
+        kind = self.framing.kind
+        texts = []
+        for i, row in enumerate(zip(*values)):
+            where = f"{locate(i)}, column " + " / ".join(repr(c) for c in self.columns)
+            if json_cells and kind == "messages" and isinstance(row[0], str):
+                try:
+                    row = (json.loads(row[0]),)
+                except ValueError as exc:
+                    raise self._err(f"{where} is not JSON text of a list of messages ({exc}); in CSV a "
+                                    "conversation is written as its JSON.") from None
+            try:
+                texts.append(to_text(kind, check_example(kind, row, where)))
+            except DataError as exc:
+                raise self._err(str(exc)) from None
+        return pa.array(texts, pa.string())
+
+    def _batch_texts(self, batch: pa.RecordBatch | pa.Table, locate: Locate, json_cells: bool = False) -> pa.Array:
+        """The text column of a batch that holds the example columns (`self.columns`)."""
+        if self.framing.kind == "text":
+            return batch.column(self.text_column)
+        return self._examples([batch.column(c).to_pylist() for c in self.columns], locate, json_cells)
+
     def _raw(self, users: pa.Array, texts: pa.Array, locate: Locate) -> pa.RecordBatch:
         users = self._check_users(users, locate)
         texts = self._as_text(texts, self.text_column, locate)
@@ -194,19 +224,22 @@ class LocalSource:
         except (pa.ArrowInvalid, OSError) as exc:
             raise self._err(f"not a valid Parquet file ({exc}); check the file or set datasets.{self.name}.format.") from exc
         names = pf.schema_arrow.names
-        if self.user_column not in names or self.text_column not in names:
+        if any(c not in names for c in (self.user_column, *self.columns)):
             raise self._missing_columns(names)
         row0 = 0
         try:
-            for batch in pf.iter_batches(batch_size=batch_rows, columns=[self.user_column, self.text_column]):
+            for batch in pf.iter_batches(batch_size=batch_rows, columns=[self.user_column, *self.columns]):
                 base = row0
-                yield self._raw(batch.column(0), batch.column(1), lambda i, b=base: f"row {b + i + 1}")
+
+                def locate(i: int, b: int = base) -> str:
+                    return f"row {b + i + 1}"
+                yield self._raw(batch.column(self.user_column), self._batch_texts(batch, locate), locate)
                 row0 += batch.num_rows
         except pa.ArrowInvalid as exc:
             raise self._err(f"reading rows after row {row0} failed: {exc}") from exc
 
     def _iter_csv(self, batch_rows: int) -> Iterator[pa.RecordBatch]:
-        cols = [self.user_column, self.text_column]
+        cols = [self.user_column, *self.columns]
         try:
             reader = pacsv.open_csv(
                 self.path,
@@ -233,11 +266,11 @@ class LocalSource:
             for start in range(0, batch.num_rows, batch_rows):
                 part = batch.slice(start, batch_rows)
                 base = row0 + start
-                yield self._raw(
-                    part.column(self.user_column),
-                    part.column(self.text_column),
-                    lambda i, b=base: f"row {b + i + 1} (not counting the header)",
-                )
+
+                def locate(i: int, b: int = base) -> str:
+                    return f"row {b + i + 1} (not counting the header)"
+                yield self._raw(part.column(self.user_column), self._batch_texts(part, locate, json_cells=True),
+                                locate)
             row0 += batch.num_rows
 
     def _csv_error(self, exc: Exception, row0: int) -> DataError:
@@ -260,9 +293,14 @@ class LocalSource:
 
         def flush() -> pa.RecordBatch:
             ls = list(lines)
-            batch = self._raw(
-                pa.array(users, pa.string()), pa.array(texts, pa.string()), lambda i: f"line {ls[i]}"
-            )
+
+            def locate(i: int) -> str:
+                return f"line {ls[i]}"
+            if self.framing.kind == "text":
+                column = pa.array(texts, pa.string())
+            else:
+                column = self._examples([list(c) for c in zip(*texts)], locate)
+            batch = self._raw(pa.array(users, pa.string()), column, locate)
             users.clear()
             texts.clear()
             lines.clear()
@@ -294,7 +332,7 @@ class LocalSource:
                                     "needs one object per line.")
                 if seen_keys is None:
                     seen_keys = list(obj)
-                    if self.user_column not in obj or self.text_column not in obj:
+                    if any(c not in obj for c in (self.user_column, *self.columns)):
                         raise self._missing_columns(seen_keys)
                 if self.user_column not in obj:
                     raise self._err(f"line {lineno} has no key '{self.user_column}' (keys: {list(obj)}).")
@@ -313,9 +351,13 @@ class LocalSource:
                             f"mixed id types would merge users such as 7 and \"7\" into one. Write every "
                             f"'{self.user_column}' with one type (all strings, or all integers).")
                     user = str(user) if isinstance(user, int) else user
-                text = obj.get(self.text_column)
-                if text is not None and not isinstance(text, str):
-                    raise self._err(f"line {lineno}: '{self.text_column}' is a {type(text).__name__}, not a string.")
+                if self.framing.kind == "text":
+                    text = obj.get(self.text_column)
+                    if text is not None and not isinstance(text, str):
+                        raise self._err(f"line {lineno}: '{self.text_column}' is a {type(text).__name__}, not a "
+                                        "string.")
+                else:  # the example's values, checked and stored at flush
+                    text = tuple(obj.get(c) for c in self.columns)
                 users.append(user)
                 texts.append(text)
                 lines.append(lineno)
@@ -347,7 +389,7 @@ class LocalSource:
         if total == 0:
             raise self._err(
                 "the file has no data rows; it needs at least one row with "
-                f"'{self.user_column}' and '{self.text_column}'."
+                f"'{self.user_column}' and " + " and ".join(f"'{c}'" for c in self.columns) + "."
             )
         log.info("%s: read %d rows from %s", self.name, total, self.path)
 
@@ -362,6 +404,7 @@ class LocalSource:
             return None
         view = copy.copy(self)
         view.text_column = self.group_column
+        view.framing, view.columns = Framing.of(text_column=self.group_column), [self.group_column]
         parts = []
         for batch in view.iter_batches(batch_rows):
             users, labels = batch.column(0), batch.column(1)

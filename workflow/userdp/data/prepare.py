@@ -43,6 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
+from .chat import FRAMING_META, Framing
 from ..io import ParquetBatchWriter, streaming_parquet, write_json, write_parquet
 from ..logutil import Progress
 from ..seeding import hash_unit, split_seed
@@ -60,6 +61,13 @@ EXAMPLES_SCHEMA = pa.schema(
         pa.field("text", pa.string()),
     ]
 )
+
+
+def examples_schema(kind: str) -> pa.Schema:
+    """examples.parquet's schema; chat and instruction examples record their framing (data.chat) in its metadata."""
+    return EXAMPLES_SCHEMA if kind == "text" else EXAMPLES_SCHEMA.with_metadata({FRAMING_META: kind})
+
+
 USERS_SCHEMA = pa.schema(
     [pa.field("user_id", pa.string()), pa.field("split", pa.string()), pa.field("n_examples", pa.int64())]
 )
@@ -241,9 +249,10 @@ def prepare_dataset(
     pass1 = out_dir / ".examples.pass1.parquet"
     labels = pa.array(SPLITS, pa.string())
     n_raw = 0
+    schema = examples_schema(Framing.of_spec(name, spec).kind)
     try:
         next_id = 0
-        with ParquetBatchWriter(pass1, EXAMPLES_SCHEMA) as writer:
+        with ParquetBatchWriter(pass1, schema) as writer:
             buf: list[pa.Table] = []
             buffered = 0
             progress = _NoProgress() if private_stats else Progress(log, _expected_rows(source, limit), f"{name}: rows read")
@@ -280,7 +289,7 @@ def prepare_dataset(
                             "split": labels.take(pa.array(split_k.astype(np.int64))),
                             "text": text_k,
                         },
-                        schema=EXAMPLES_SCHEMA,
+                        schema=schema,
                     )
                 )
                 next_id += n
@@ -323,7 +332,7 @@ def prepare_dataset(
 
         examples_path = out_dir / "examples.parquet"
         if n_small:
-            _filter_examples(pass1, examples_path, users.column("user_id"), batch_rows)
+            _filter_examples(pass1, examples_path, users.column("user_id"), batch_rows, schema)
         else:
             pass1.replace(examples_path)  # already complete; a rename is atomic
         stats = contribution_stats(users, dropped, dropped_users, n_raw)
@@ -357,12 +366,13 @@ def _expected_rows(source, limit: int | None) -> int | None:
     return total
 
 
-def _filter_examples(src: Path, dst: Path, keep_users: pa.ChunkedArray, batch_rows: int) -> None:
+def _filter_examples(src: Path, dst: Path, keep_users: pa.ChunkedArray, batch_rows: int,
+                     schema: pa.Schema = EXAMPLES_SCHEMA) -> None:
     """Keep rows of `keep_users` from `src`, renumbering example_id contiguously."""
     keep_set = keep_users.combine_chunks()
     next_id = 0
     pf = streaming_parquet(src)
-    with ParquetBatchWriter(dst, EXAMPLES_SCHEMA) as writer:
+    with ParquetBatchWriter(dst, schema) as writer:
         for batch in pf.iter_batches(batch_size=max(batch_rows, 65536)):
             t = pa.Table.from_batches([batch]).filter(pc.is_in(batch.column("user_id"), value_set=keep_set))
             if t.num_rows == 0:

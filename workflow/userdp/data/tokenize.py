@@ -44,6 +44,8 @@ import pyarrow as pa
 from ..errors import ConfigError, DataError
 from ..io import ParquetBatchWriter, make_temp_dir, read_json, streaming_parquet, write_json
 from ..logutil import Progress
+from .token_ids import backend as _backend
+from .token_ids import special_token_ids
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 INFO_FILE = "tokenizer_info.json"
@@ -199,7 +201,7 @@ def load_tokenizer(tok_dir: str | Path):
     if not path.is_file():
         raise DataError(f"{path} does not exist; rerun snakemake to build it (rule train_tokenizer).")
     try:
-        return PreTrainedTokenizerFast(
+        tok = PreTrainedTokenizerFast(
             tokenizer_file=str(path),
             bos_token=info.get("bos_token", BOS), eos_token=info.get("eos_token", EOS),
             pad_token=info.get("pad_token", PAD),
@@ -209,14 +211,27 @@ def load_tokenizer(tok_dir: str | Path):
         raise DataError(f"{path} is not a readable tokenizer ({reason}): it was truncated or overwritten. It is a "
                         f"pipeline artifact: delete {tok_dir} and rerun snakemake, which rebuilds it and whatever "
                         "depends on it.") from None
+    template = chat_template(tok_dir)
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def chat_template(tok_dir: str | Path) -> str | None:
+    """The chat template saved with a tokenizer (chat_template.jinja, or tokenizer_config.json's), or None."""
+    tok_dir = Path(tok_dir)
+    jinja = tok_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = tok_dir / "tokenizer_config.json"
+    if config.is_file():
+        value = read_json(config).get("chat_template")
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 # ---------------------------------------------------------------- framing
-
-
-def _backend(tok):
-    """The Rust `tokenizers.Tokenizer` behind a transformers tokenizer (or `tok` itself)."""
-    return tok.backend_tokenizer if hasattr(tok, "backend_tokenizer") else tok
 
 
 def encode(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -338,13 +353,6 @@ def _list_array(flat: np.ndarray, lengths: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()))
 
 
-def special_token_ids(tok) -> tuple[int, int]:
-    bos, eos = tok.bos_token_id, tok.eos_token_id
-    if bos is None or eos is None:
-        raise DataError("the tokenizer in results/tokenizer has no bos/eos token ids; rebuild it.")
-    return int(bos), int(eos)
-
-
 def _schema_with_meta(schema: pa.Schema, tok, seq_len: int, mode: str) -> pa.Schema:
     meta = {
         "vocab_size": len(tok), "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
@@ -373,12 +381,17 @@ def tokenize_examples(
     `log_rows=False` (DP contribution statistics) logs no progress counts: the
     rows include the train users' examples, a statistic of their counts.
     """
+    from .chat import Framing
+
     tok = load_tokenizer(tok_dir)
     bos, eos = special_token_ids(tok)
+    pf = streaming_parquet(examples_path)
+    kind = Framing.of_examples(pf.schema_arrow)
+    if kind != "text":
+        return _tokenize_chat(pf, examples_path, tok, out_path, seq_len, mode, kind, batch_rows, log_rows)
     schema = _schema_with_meta(TOKENS_SCHEMA, tok, seq_len, mode)
     n_in = n_out = n_trunc = n_tok = 0
     next_id = 0
-    pf = streaming_parquet(examples_path)
     n_rows = pf.metadata.num_rows
     progress = Progress(log, n_rows, f"tokenize {Path(examples_path).parent.name}") if log_rows else None
     batches = pf.iter_batches(batch_size=batch_rows)
@@ -415,6 +428,51 @@ def tokenize_examples(
             n_tok += int(out_len.sum())
     return {"examples_in": n_in, "examples_out": n_out, "longer_than_sequence_length": n_trunc, "tokens": n_tok,
             "sequence_length": seq_len, "long_examples": mode}
+
+
+def _tokenize_chat(pf, examples_path: str | Path, tok, out_path: str | Path, seq_len: int, mode: str, kind: str,
+                   batch_rows: int, log_rows: bool) -> dict:
+    """tokens.parquet of chat or instruction examples (`chat.frame_examples`), with their loss_mask column.
+
+    Framed in this process (the chat template is Python): a conversation is one row, cut to `seq_len`.
+    """
+    from .chat import LOSS_MASK, chat_template_of, frame_examples, from_text
+
+    if mode != "truncate":
+        raise ConfigError(f"tokenizer.long_examples is {mode!r}, but {examples_path} holds {kind} examples: a "
+                          "window of a conversation would lose its prompt. Set tokenizer.long_examples: truncate "
+                          "(and a tokenizer.sequence_length that holds a conversation).")
+    if kind == "messages":
+        chat_template_of(tok, "the tokenizer (tokenizer.name, results/tokenizer)")
+    schema = _schema_with_meta(TOKENS_SCHEMA.append(pa.field(LOSS_MASK, pa.list_(pa.bool_()))), tok, seq_len, mode)
+    n_rows = pf.metadata.num_rows
+    progress = Progress(log, n_rows, f"tokenize {Path(examples_path).parent.name}") if log_rows else None
+    n_out = n_tok = n_empty = 0
+    row0 = 0
+    with ParquetBatchWriter(out_path, schema) as writer:
+        for batch in pf.iter_batches(batch_size=batch_rows):
+            if progress is not None:
+                progress.update(batch.num_rows)
+            where = [f"{examples_path}, row {row0 + i + 1}" for i in range(batch.num_rows)]
+            examples = [from_text(kind, t, w) for t, w in zip(batch.column("text").to_pylist(), where)]
+            ids, lengths, mask, empty = frame_examples(tok, kind, examples, seq_len, where=where)
+            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+            example_ids = batch.column("example_id")
+            writer.write(pa.table({
+                "user_id": batch.column("user_id"), "example_id": example_ids, "split": batch.column("split"),
+                "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids, pa.int32())),
+                "n_tokens": pa.array(lengths.astype(np.int32)), "source_example_id": example_ids,
+                LOSS_MASK: pa.ListArray.from_arrays(offsets, pa.array(mask, pa.bool_())),
+            }, schema=schema))
+            row0 += batch.num_rows
+            n_out += batch.num_rows
+            n_tok += int(lengths.sum())
+            n_empty += empty
+    if n_empty and log_rows:
+        log.warning("%d of %d examples have no answer token within tokenizer.sequence_length (%d): they train "
+                    "nothing; raise the sequence length", n_empty, n_out, seq_len)
+    return {"examples_in": n_out, "examples_out": n_out, "tokens": n_tok, "sequence_length": seq_len,
+            "long_examples": mode, "framing": kind, "without_answer_tokens": n_empty}
 
 
 def tokenize_public(

@@ -31,6 +31,7 @@ import pyarrow.dataset as ds
 import torch
 import torch.nn.functional as F
 
+from ..data.chat import LOSS_MASK
 from ..errors import DataError
 from ..io import read_schema, write_parquet
 from ..seeding import derive_seed_crc32
@@ -47,13 +48,15 @@ METRIC_NAMES = ("loss", "loss_user_macro", "perplexity", "accuracy", "n_tokens",
 class EvalSet:
     """The examples of the chosen users of one held-out split.
 
-    `user_ids[i]` owns `sequences[i]`; `users` is the sorted list of chosen users.
+    `user_ids[i]` owns `sequences[i]`; `users` is the sorted list of chosen users. `loss_masks[i]`: which of
+    sequence i's tokens are targets (chat and instruction data), None: all of them (plain text).
     """
 
     split: str
     users: list[str]
     user_ids: list[str]
     sequences: list[np.ndarray]
+    loss_masks: list[np.ndarray] | None = None
 
 
 def choose_users(users: Sequence[str], max_users: int | None, seed: int) -> list[str]:
@@ -117,12 +120,16 @@ def load_eval_set(
         )
     users = choose_users(pc.unique(candidates).to_pylist(), max_users, seed)
     check_held_out(path, users, split)
-    table = data.to_table(columns=list(TOKENS_COLUMNS), filter=in_split & ds.field("user_id").isin(users))
+    columns = list(TOKENS_COLUMNS) + ([LOSS_MASK] if LOSS_MASK in names else [])
+    table = data.to_table(columns=columns, filter=in_split & ds.field("user_id").isin(users))
     # A defensive second check on the rows actually used.
     splits = set(table.column("split").to_pylist())
     assert splits == {split}, f"rows of splits {splits} leaked into the {split} evaluation set"
     sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
-    return EvalSet(split=split, users=users, user_ids=table.column("user_id").to_pylist(), sequences=sequences)
+    masks = ([np.asarray(x, dtype=bool) for x in table.column(LOSS_MASK).to_pylist()]
+             if LOSS_MASK in names else None)
+    return EvalSet(split=split, users=users, user_ids=table.column("user_id").to_pylist(), sequences=sequences,
+                   loss_masks=masks)
 
 
 @torch.no_grad()
@@ -131,8 +138,12 @@ def sequence_scores(
     sequences: Sequence[np.ndarray],
     batch_size: int,
     device: torch.device | str = "cpu",
+    loss_masks: Sequence[np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per sequence: summed next-token NLL, number of correct argmax predictions, targets.
+
+    loss_masks: per sequence, which tokens are targets (chat and instruction data: the answers, as in
+    training); None: every token after the first.
 
     Sequences are sorted by length and right-padded per batch, so little
     compute goes to padding; padded positions are masked out of every sum
@@ -153,13 +164,15 @@ def sequence_scores(
             continue
         ids = torch.zeros((len(idx), width), dtype=torch.long)
         mask = torch.zeros((len(idx), width), dtype=torch.long)
+        is_target = torch.zeros((len(idx), width), dtype=torch.bool)
         for row, i in enumerate(idx):
             ids[row, : lengths[i]] = torch.from_numpy(sequences[i])
             mask[row, : lengths[i]] = 1
+            is_target[row, : lengths[i]] = True if loss_masks is None else torch.from_numpy(loss_masks[i])
         ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         targets = ids[:, 1:]
-        tmask = mask[:, 1:].bool()
+        tmask = is_target[:, 1:].to(device)
         token_nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
         token_nll = token_nll.view(targets.shape).masked_fill(~tmask, 0.0)
         hits = (logits.argmax(dim=-1) == targets) & tmask
@@ -204,7 +217,7 @@ def summarise(nll: np.ndarray, correct: np.ndarray, n_targets: np.ndarray, user_
 def evaluate_set(model: torch.nn.Module, eval_set: EvalSet, batch_size: int, device: torch.device | str,
                  users_out: str | os.PathLike | None = None) -> dict:
     """The metrics of `model` on one evaluation set; with `users_out`, its per-user scores written there too."""
-    nll, correct, n_targets = sequence_scores(model, eval_set.sequences, batch_size, device)
+    nll, correct, n_targets = sequence_scores(model, eval_set.sequences, batch_size, device, eval_set.loss_masks)
     metrics = summarise(nll, correct, n_targets, eval_set.user_ids)
     if users_out is not None:
         write_parquet(users_out, per_user_scores(nll, n_targets, eval_set.user_ids))

@@ -48,6 +48,7 @@ class MicroBatch:
     unit_ids: torch.Tensor        # [P] int64, -1 = padding row
     row_weights: torch.Tensor     # [P] float32
     n_rows: int                   # real (non-padding) rows
+    loss_mask: torch.Tensor | None = None  # [P, L] bool: loss targets (chat data); None: every token
 
 
 def check_uls_fits(group_size: int, physical_batch_size: int, examples_per_user: int | None) -> None:
@@ -138,10 +139,13 @@ def pack_micro_batches(
         mask = np.zeros((P, L), dtype=np.int64)
         unit_ids = np.full(P, -1, dtype=np.int64)
         weights = np.zeros(P, dtype=np.float32)
+        targets = None if pool.loss_mask_values is None else np.zeros((P, L), dtype=bool)
         for j, row in enumerate(sel.rows[r0:r1]):
             toks = pool.tokens(int(row))[:L]
             ids[j, : len(toks)] = toks
             mask[j, : len(toks)] = 1
+            if targets is not None:
+                targets[j, : len(toks)] = pool.loss_mask(int(row))[:L]
         n = r1 - r0
         unit_ids[:n] = np.repeat(np.arange(u1 - u0), sel.unit_sizes[u0:u1])
         weights[:n] = sel.weights[r0:r1]
@@ -152,6 +156,7 @@ def pack_micro_batches(
                 unit_ids=torch.from_numpy(unit_ids),
                 row_weights=torch.from_numpy(weights),
                 n_rows=n,
+                loss_mask=None if targets is None else torch.from_numpy(targets),
             )
         )
     return batches

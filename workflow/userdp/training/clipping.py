@@ -125,22 +125,30 @@ def _reentrant_checkpointing(model: nn.Module) -> bool:
     return True
 
 
-def row_losses(logits: Tensor, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+def row_losses(logits: Tensor, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor | None = None,
+               labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Mean next-token cross-entropy per row [B] and the number of valid targets per row [B].
 
     Target position t+1 counts when both t and t+1 are inside the attention
-    mask. Computed on the full logits tensor (labels shifted, invalid ones
-    ignored) to avoid copying the [B, L, V] logits.
+    mask and, with `loss_mask` [B, L] (chat and instruction data), when token
+    t+1 is a loss target. `labels` [B, L]: the target tokens, aligned with
+    input_ids (default: the input ids themselves, the next-token targets);
+    positions outside the targets are ignored whatever they hold. Computed on
+    the full logits tensor (labels shifted, invalid ones ignored) to avoid
+    copying the [B, L, V] logits.
     """
     b, length, vocab = logits.shape
     valid = torch.zeros_like(attention_mask, dtype=torch.bool)
     valid[:, :-1] = (attention_mask[:, 1:] != 0) & (attention_mask[:, :-1] != 0)
-    labels = torch.full_like(input_ids, -100)
-    labels[:, :-1] = input_ids[:, 1:]
-    labels = labels.masked_fill(~valid, -100)
+    if loss_mask is not None:
+        valid[:, :-1] &= loss_mask[:, 1:].to(torch.bool)
+    targets = input_ids if labels is None else labels
+    shifted = torch.full_like(input_ids, -100)
+    shifted[:, :-1] = targets[:, 1:]
+    shifted = shifted.masked_fill(~valid, -100)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
-    ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=-100, reduction="none")
+    ce = F.cross_entropy(logits.reshape(-1, vocab), shifted.reshape(-1), ignore_index=-100, reduction="none")
     n_valid = valid.sum(1)
     return ce.view(b, length).sum(1) / n_valid.clamp(min=1).to(ce.dtype), n_valid
 
@@ -185,8 +193,12 @@ class ClippedGradients:
 
     # ------------------------------------------------------------------ API
     def accumulate(self, input_ids: Tensor, attention_mask: Tensor, unit_ids: Tensor,
-                   row_weights: Tensor) -> MicroBatchStats:
+                   row_weights: Tensor, loss_mask: Tensor | None = None,
+                   labels: Tensor | None = None) -> MicroBatchStats:
         """Add sum_u clip(g_u) into p.grad; rows with unit_ids == -1 are ignored.
+
+        loss_mask [B, L] bool: the loss targets (chat data: the assistant's tokens), None: every token;
+        labels [B, L]: the target tokens (default the input ids); see `row_losses`.
 
         Returns loss_sum (sum of row losses), n_rows, n_units, unit_ids (the
         units, ascending), unit_norms (their pre-clip gradient norms, same
@@ -202,6 +214,10 @@ class ClippedGradients:
         attention_mask = attention_mask[keep].to(device)
         unit_ids = unit_ids.to(keep.device)[keep].to(device)
         row_weights = row_weights.to(keep.device)[keep].to(device)
+        if loss_mask is not None:
+            loss_mask = loss_mask.to(keep.device)[keep].to(device)
+        if labels is not None:
+            labels = labels.to(keep.device)[keep].to(device)
         n_rows = int(input_ids.shape[0])
         empty = torch.empty(0, device=device)
         if n_rows == 0:
@@ -214,10 +230,12 @@ class ClippedGradients:
         # influence a loss, so drop them (same for the non-private path).
         max_len = max(int(lengths.max()), 1)
         input_ids, attention_mask = input_ids[:, :max_len], attention_mask[:, :max_len]
+        targets = {"loss_mask": None if loss_mask is None else loss_mask[:, :max_len],
+                   "labels": None if labels is None else labels[:, :max_len]}
         units, inverse, counts = torch.unique(unit_ids, return_inverse=True, return_counts=True)
 
         if self.clip_norm is None:
-            losses = self._forward_losses(input_ids, attention_mask)
+            losses = self._forward_losses(input_ids, attention_mask, **targets)
             (losses * row_weights.to(losses.dtype)).sum().backward()
             self._ensure_grads()
             return self._stats(float(losses.detach().sum()), n_rows, units, empty, 0.0, 0)
@@ -229,8 +247,9 @@ class ClippedGradients:
         row_unit = rank[inverse]
         perm = torch.argsort(row_unit, stable=True)
         layout = gn.UnitLayout.from_sorted_rows(row_unit[perm], max_len)
+        targets = {k: None if v is None else v[perm] for k, v in targets.items()}
         loss_sum, loss_rows, norms = self._clipped_pass(input_ids[perm], attention_mask[perm], row_weights[perm],
-                                                        layout)
+                                                        layout, targets)
         norms = norms[rank]  # back to ascending unit id
         clipped = float((~(norms <= self.clip_norm)).float().mean())  # NaN norms count as clipped (to zero)
         nonfinite = int((~torch.isfinite(norms)).sum())
@@ -254,12 +273,13 @@ class ClippedGradients:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def _forward_losses(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def _forward_losses(self, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor | None = None,
+                        labels: Tensor | None = None) -> Tensor:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return row_losses(out.logits, input_ids, attention_mask)[0]
+        return row_losses(out.logits, input_ids, attention_mask, loss_mask, labels)[0]
 
     def _clipped_pass(self, input_ids: Tensor, attention_mask: Tensor, row_weights: Tensor,
-                      layout: gn.UnitLayout) -> tuple[float, int, Tensor]:
+                      layout: gn.UnitLayout, targets: dict[str, Tensor | None]) -> tuple[float, int, Tensor]:
         self._layout = layout
         # Under autocast, instantiated per-unit gradients are stored in the
         # autocast dtype (memory); norms are reduced in float32 or wider from
@@ -288,7 +308,7 @@ class ClippedGradients:
             for uses in by_module.values():
                 handles.append(uses[0].module.register_forward_hook(functools.partial(self._forward_hook, uses),
                                                                     with_kwargs=True))
-            losses = self._forward_losses(input_ids, attention_mask)
+            losses = self._forward_losses(input_ids, attention_mask, **targets)
             weighted = (losses * row_weights.to(losses.dtype)).sum()
             for h in handles:
                 h.remove()

@@ -186,7 +186,7 @@ def run_fingerprint(spec: RunSpec, settings: TrainSettings, device: torch.device
         "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
         "sampler": PoissonSampler.SCHEME,
         "model": ckpt.model_digest(model),
-        "pool": ckpt.arrays_digest(pool.user_offsets, pool.example_ids, pool.token_offsets, pool.token_values),
+        "pool": ckpt.arrays_digest(*pool.content_arrays()),
     })
 
 
@@ -397,7 +397,8 @@ class DPStep:
         for mb in distributed.my_share(micro_batches, self.dist):
             with self.autocast:
                 sums.add(self.grads.accumulate(mb.input_ids.to(device), mb.attention_mask.to(device),
-                                               mb.unit_ids.to(device), mb.row_weights.to(device)))
+                                               mb.unit_ids.to(device), mb.row_weights.to(device),
+                                               None if mb.loss_mask is None else mb.loss_mask.to(device)))
         return sums
 
     def privatize(self, sums: StepSums) -> StepSums:

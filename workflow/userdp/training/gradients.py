@@ -37,10 +37,14 @@ class MicroBatchStats:
 
 
 class GradientSource(Protocol):
-    """Adds the clipped per-unit gradient sum of a micro-batch into p.grad (rows with unit id -1 are ignored)."""
+    """Adds the clipped per-unit gradient sum of a micro-batch into p.grad (rows with unit id -1 are ignored).
+
+    loss_mask [B, L] bool: the tokens that are loss targets (chat and instruction data: the answers); None:
+    every token after a row's first. A row's loss is the mean cross-entropy over its targets.
+    """
 
     def accumulate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, unit_ids: torch.Tensor,
-                   row_weights: torch.Tensor) -> MicroBatchStats: ...
+                   row_weights: torch.Tensor, loss_mask: torch.Tensor | None = None) -> MicroBatchStats: ...
 
 
 class GradientSourceFactory(Protocol):

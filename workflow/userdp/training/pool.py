@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..data.chat import LOSS_MASK
 from ..errors import DataError
 from ..io import read_table, streaming_parquet
 from ..seeding import row_keys, user_hashes
@@ -52,6 +53,9 @@ class TrainingPool:
     token_offsets: np.ndarray    # [N_G + 1] int64
     group_size: int              # G
     n_examples_before_bounding: int
+    # flat bool aligned with token_values: whether each token is a loss target (chat and instruction data,
+    # userdp.data.chat); None: every token after a row's first is one (plain text)
+    loss_mask_values: np.ndarray | None = None
 
     @property
     def n_users(self) -> int:
@@ -69,6 +73,17 @@ class TrainingPool:
 
     def tokens(self, row: int) -> np.ndarray:
         return self.token_values[self.token_offsets[row]:self.token_offsets[row + 1]]
+
+    def content_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays that make up the pool's content (what a checkpoint's fingerprint digests)."""
+        base = (self.user_offsets, self.example_ids, self.token_offsets, self.token_values)
+        return base if self.loss_mask_values is None else (*base, self.loss_mask_values)
+
+    def loss_mask(self, row: int) -> np.ndarray | None:
+        """Which of the row's tokens are loss targets (None: all of them, plain text)."""
+        if self.loss_mask_values is None:
+            return None
+        return self.loss_mask_values[self.token_offsets[row]:self.token_offsets[row + 1]]
 
 
 def _check_tokens_file(path: str | Path) -> Path:
@@ -109,7 +124,10 @@ def read_train_tokens(path: str | Path) -> pa.Table:
     if len(shared):
         raise _overlap_error(path, shared.to_pylist())
     del ids
-    train = read_table(path, columns=["user_id", "example_id", "input_ids"], filters=[("split", "==", "train")])
+    columns = ["user_id", "example_id", "input_ids"]
+    if LOSS_MASK in streaming_parquet(path).schema_arrow.names:
+        columns.append(LOSS_MASK)
+    train = read_table(path, columns=columns, filters=[("split", "==", "train")])
     if train.num_rows == 0:
         raise _no_train_error(path)
     return train
@@ -195,8 +213,18 @@ def _flat_tokens(ids_col: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.nd
     return values, offsets
 
 
+def _flat_mask(mask_col: pa.Array | pa.ChunkedArray, offsets: np.ndarray) -> np.ndarray:
+    """The loss-mask column's values, flat, checked to line up with the tokens (`offsets`)."""
+    mask_col = mask_col.combine_chunks() if isinstance(mask_col, pa.ChunkedArray) else mask_col
+    lengths = pc.list_value_length(mask_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    if not np.array_equal(lengths, np.diff(offsets)):
+        raise DataError(f"the tokens table's {LOSS_MASK} column does not line up with input_ids (a row's mask has "
+                        "another length than its tokens); rebuild the data stage.")
+    return pc.list_flatten(mask_col).to_numpy(zero_copy_only=False).astype(bool)
+
+
 def _pool(user_ids: list[str], choice: _Choice, values: np.ndarray, offsets: np.ndarray,
-          group_size: int, n_before: int) -> TrainingPool:
+          group_size: int, n_before: int, mask: np.ndarray | None = None) -> TrainingPool:
     return TrainingPool(
         user_ids=user_ids,
         user_offsets=choice.user_offsets,
@@ -206,6 +234,7 @@ def _pool(user_ids: list[str], choice: _Choice, values: np.ndarray, offsets: np.
         token_offsets=offsets,
         group_size=int(group_size),
         n_examples_before_bounding=int(n_before),
+        loss_mask_values=mask,
     )
 
 
@@ -225,8 +254,10 @@ def build_pool(train: pa.Table, group_size: int, seed: int) -> TrainingPool:
     uniq, user_idx = np.unique(users, return_inverse=True)
     del users
     choice = _choose(*_canonical_order(user_idx.reshape(-1), ex_ids), user_hashes(uniq, seed), group_size)
-    values, offsets = _flat_tokens(train["input_ids"].take(pa.array(choice.kept_rows)))
-    return _pool([str(u) for u in uniq], choice, values, offsets, group_size, len(ex_ids))
+    kept = pa.array(choice.kept_rows)
+    values, offsets = _flat_tokens(train["input_ids"].take(kept))
+    mask = _flat_mask(train[LOSS_MASK].take(kept), offsets) if LOSS_MASK in train.column_names else None
+    return _pool([str(u) for u in uniq], choice, values, offsets, group_size, len(ex_ids), mask)
 
 
 def load_train_pool(path: str | Path, group_size: int, seed: int, batch_rows: int = 1 << 18) -> TrainingPool:
@@ -301,22 +332,26 @@ def load_train_pool(path: str | Path, group_size: int, seed: int, batch_rows: in
     # Pass 2: kept rows' tokens in file order, then put in canonical order.
     by_file = np.argsort(choice.kept_rows, kind="stable")
     wanted = choice.kept_rows[by_file]  # train-row positions to keep, ascending
-    pieces: list[pa.Array] = []
+    columns = ["input_ids"] + ([LOSS_MASK] if LOSS_MASK in pf.schema_arrow.names else [])
+    pieces: dict[str, list[pa.Array]] = {c: [] for c in columns}
     row = 0    # file row of the batch's first row
     first = 0  # train-row position of the batch's first train row
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=["input_ids"]):
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
         train = is_train[row:row + batch.num_rows]
         row += batch.num_rows
         k = int(train.sum())
         lo, hi = np.searchsorted(wanted, [first, first + k])
         if hi > lo:
-            train_rows = np.nonzero(train)[0]
-            pieces.append(batch.column("input_ids").take(pa.array(train_rows[wanted[lo:hi] - first])))
+            take = pa.array(np.nonzero(train)[0][wanted[lo:hi] - first])
+            for c in columns:
+                pieces[c].append(batch.column(c).take(take))
         first += k
     if row != len(is_train):
         raise DataError(f"{path} changed while it was read (row count differs); rerun the job.")
-    ids_file = pa.chunked_array(pieces, type=pf.schema_arrow.field("input_ids").type)
     canonical = np.empty_like(by_file)
     canonical[by_file] = np.arange(len(by_file))
-    values, offsets = _flat_tokens(ids_file.take(pa.array(canonical)))
-    return _pool([str(u) for u in uniq], choice, values, offsets, group_size, n_train)
+    in_order = {c: pa.chunked_array(pieces[c], type=pf.schema_arrow.field(c).type).take(pa.array(canonical))
+                for c in columns}
+    values, offsets = _flat_tokens(in_order["input_ids"])
+    mask = _flat_mask(in_order[LOSS_MASK], offsets) if LOSS_MASK in in_order else None
+    return _pool([str(u) for u in uniq], choice, values, offsets, group_size, n_train, mask)
