@@ -13,7 +13,8 @@
     print(dp.epsilon, dp.spec.noise_multiplier, dp.spec.group_size, stats.loss)
     dp.save("out/own-loop")        # the released model (adapter), ledger.json, README.md model card
 
-`make_private` frames the rows as `userdp.fine_tune` does (bos + text + eos, cut to the sequence length),
+`make_private` frames the rows as `userdp.fine_tune` does (bos + text + eos, cut to the sequence length; chat
+rows with the tokenizer's chat template and prompt/completion pairs with the loss on the answers only),
 plans the mechanism with the pipeline's planner and rules (`userdp.plan`: G by the method's rule, the
 sampling rate that spends `compute` examples in `steps` steps, the noise multiplier calibrated to epsilon),
 bounds every user to G examples, and returns a `training.private.PrivateTraining` around the engine's own

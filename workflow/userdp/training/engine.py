@@ -72,7 +72,7 @@ from .gradients import GradientSource, GradientSourceFactory, MicroBatchStats
 from .ledger import RunFacts, build_ledger
 from .models import autocast_context, resolve_device, save_model_atomic
 from .noise import GaussianNoise
-from .optim import make_optimizer, make_scheduler
+from .optim import AdamBC, make_optimizer, make_scheduler
 from .pool import TrainingPool
 from .sampling import PoissonSampler
 from .settings import TrainSettings
@@ -435,17 +435,21 @@ class RunState:
 
     def __init__(self, model: torch.nn.Module, mech: RunMechanism, pool: TrainingPool, settings: TrainSettings,
                  seeds: dict[str, Any], device: torch.device, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: Any = None):
+                 scheduler: Any = None, divisor: float = 1.0):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Per-unit keyed draws: removing a user changes no other unit's draws (sampling.py)
         self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
         self.noise = GaussianNoise(mech.sigma, mech.clip_norm, seeds["noise"], device)
+        update_noise_std = self.noise.std / divisor  # per coordinate, in the privatised update (DP-AdamBC reads it)
         if optimizer is None:  # the pipeline's: training.optimizer, training.schedule
-            self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate)
+            self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate,
+                                            update_noise_std)
             self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
         else:  # the caller's own (userdp.make_private): its scheduler, if any, is stepped with it
             self.optimizer, self.scheduler = optimizer, scheduler
+            if isinstance(optimizer, AdamBC) and optimizer.noise_std is None:
+                optimizer.noise_std = update_noise_std  # the plan's public sigma C / (q N)
         self.private = mech.clip_norm is not None
         self.step, self.examples_processed, self.users_processed = 0, 0, 0
         self.rows: list[dict[str, Any]] = []
@@ -730,8 +734,9 @@ def setup(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: T
         # checkpoint, so it continues the same secret streams. Only the checkpoint (deleted at the end) holds them.
         seeds = draw_secret_seeds(seeds, dist, device)
     ctx = RunContext(spec, mech, pool, settings, paths, pad_id, device, dist)
-    state = RunState(model, mech, pool, settings, seeds, device, optimizer, scheduler)
-    divisor = divisor_for(spec, mech, mech.n_units(pool), state.sampler.expected_size)
+    n_units = mech.n_units(pool)
+    divisor = divisor_for(spec, mech, n_units, mech.rate * n_units)  # q N, the sampler's expected size
+    state = RunState(model, mech, pool, settings, seeds, device, optimizer, scheduler, divisor)
     grads = (gradient_source or _default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
     return Run(ctx, state, DPStep(ctx, state, grads, divisor, hook), seeds)
 

@@ -1,8 +1,10 @@
-"""Optimizers (Adam, SGD, Adafactor) and learning-rate schedules with warmup.
+"""Optimizers (Adam, DP-AdamBC, SGD, Adafactor) and learning-rate schedules with warmup.
 
 The optimizer consumes the already privatised update direction (noisy sum /
 expected batch size); it never sees per-example data, so any optimizer is
-post-processing and privacy is unaffected.
+post-processing and privacy is unaffected. DP-AdamBC (Tang, Shpilevskiy and
+Lecuyer, AAAI 2024, arXiv 2312.14334) reads one more public constant: the
+per-coordinate standard deviation of the noise in that update, sigma C / (q N).
 """
 
 from __future__ import annotations
@@ -19,6 +21,81 @@ def _adam(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=lr)
 
 
+#: DP-AdamBC's floor gamma' on the corrected second moment (a variance, so sqrt(1e-8) = 1e-4 bounds the
+#: denominator), the value of the paper's experiments.
+ADAM_BC_FLOOR = 1e-8
+
+
+class AdamBC(torch.optim.Optimizer):
+    """DP-Adam with the bias of the noise removed from the second moment (DP-AdamBC).
+
+    With the privatised update g (noisy clipped sum / expected batch, whose noise has per-coordinate variance
+    Phi = noise_std^2), for step t = 1, 2, ...:
+
+        m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+        m_hat = m / (1 - b1^t);  v_hat = v / (1 - b2^t)
+        theta -= lr * m_hat / sqrt(max(v_hat - Phi, floor))
+
+    Plain DP-Adam's v_hat estimates E[g^2] = signal^2 + Phi: the noise dominates the denominator and Adam
+    degenerates to scaled DP-SGD; subtracting Phi restores Adam's per-coordinate scaling. noise_std None:
+    not known yet (make_private sets it from the plan: sigma C / (q N)). Post-processing: no privacy cost.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 noise_std: float | None = None, floor: float = ADAM_BC_FLOOR):
+        if not lr >= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1:
+            raise ConfigError(f"AdamBC: lr {lr} must be >= 0 and betas {betas} in [0, 1).")
+        if not floor > 0:
+            raise ConfigError(f"AdamBC: floor is {floor}; it must be > 0 (it bounds the denominator).")
+        if noise_std is not None and not noise_std >= 0:
+            raise ConfigError(f"AdamBC: noise_std is {noise_std}; give sigma * C / (expected batch) >= 0.")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "floor": float(floor)})
+        self.noise_std = None if noise_std is None else float(noise_std)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.noise_std is None:
+            raise ConfigError("AdamBC.noise_std is not set: give noise_std=sigma * C / (expected batch), or pass "
+                              "the optimizer to userdp.make_private, which sets it from the plan.")
+        loss = None if closure is None else closure()
+        phi = self.noise_std ** 2
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = state["step"]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                corrected = (v / (1 - b2 ** t)).sub_(phi).clamp_(min=group["floor"])
+                p.addcdiv_(m, corrected.sqrt_(), value=-group["lr"] / (1 - b1 ** t))
+        return loss
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["noise_std"] = self.noise_std
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("noise_std", None)
+        if saved is not None and self.noise_std is not None and abs(saved - self.noise_std) > 1e-12 * max(saved, 1):
+            raise ConfigError(f"AdamBC: the checkpoint's noise_std {saved} is not this run's {self.noise_std}; "
+                              "resume with the same plan.")
+        super().load_state_dict(state_dict)
+
+
+def _adam_bc(params: list[torch.nn.Parameter], lr: float, noise_std: float = 0.0) -> torch.optim.Optimizer:
+    return AdamBC(params, lr=lr, noise_std=noise_std)
+
+
 def _sgd(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr)
 
@@ -32,11 +109,14 @@ def _adafactor(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optim
 
 #: training.optimizer: name -> factory(parameters, learning rate). The config
 #: schema's enum lists the same names (tests/test_registries.py checks).
-OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], float], torch.optim.Optimizer]] = {
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adam": _adam,
+    "adam_bc": _adam_bc,
     "sgd": _sgd,
     "adafactor": _adafactor,
 }
+#: The optimizers that read the noise of the privatised update (make_optimizer's noise_std).
+NOISE_AWARE = frozenset({"adam_bc"})
 
 
 def _constant(progress: float) -> float:
@@ -60,10 +140,14 @@ SCHEDULES: dict[str, Callable[[float], float]] = {
 }
 
 
-def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
-    """Build the optimizer `name` (training.optimizer) with learning rate `lr`."""
+def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float,
+                   noise_std: float = 0.0) -> torch.optim.Optimizer:
+    """Build the optimizer `name` (training.optimizer) with learning rate `lr`; noise_std: the per-coordinate
+    standard deviation of the noise in the privatised update, sigma C / (q N) (read by adam_bc only)."""
     if name not in OPTIMIZERS:
         raise ConfigError(f"training.optimizer is {name!r}; allowed values: {list(OPTIMIZERS)}.")
+    if name in NOISE_AWARE:
+        return OPTIMIZERS[name](list(params), lr, noise_std)
     return OPTIMIZERS[name](list(params), lr)
 
 

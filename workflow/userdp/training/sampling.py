@@ -90,11 +90,6 @@ class PoissonSampler:
         self._unit_keys = (self._user_keys if self._unit_user is None
                            else row_keys(self._user_keys[self._unit_user], self._unit_rank))
 
-    @property
-    def expected_size(self) -> float:
-        """q * N: the public constant the noisy sum is divided by."""
-        return self.rate * self.n_units
-
     def sample(self) -> np.ndarray:
         """Indices (sorted, int64) of the units included in this step; advances the step."""
         t, self.step = self.step, self.step + 1
