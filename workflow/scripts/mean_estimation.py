@@ -11,9 +11,10 @@ delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there
 
 import time
 
+from threadpoolctl import threadpool_limits
+
 from userdp.errors import run_main
 from userdp.experiments import mean_estimation as me
-from userdp.experiments.blas_threads import blas_threads
 from userdp.io import read_frame, write_parquet
 from userdp.logutil import Progress, setup_logging
 
@@ -28,9 +29,9 @@ def main() -> None:
     calibration = read_frame(snakemake.input.calibration)
     progress = Progress(log, None, "mean-estimation runs", every_s=5.0)
     start = time.monotonic()
-    # Thousands of tiny matrix products: one BLAS thread is much faster than
-    # many competing ones (see userdp.experiments.blas_threads).
-    with blas_threads(1):
+    # Thousands of tiny matrix products: one BLAS thread is much faster than many competing ones
+    # (OpenBLAS splits each product over every core, and next to other jobs its threads wait on each other).
+    with threadpool_limits(limits=1, user_api="blas"):
         results, sweep = me.run_study(spec, calibration, progress=lambda done, total: progress.update(
             1, extra=f"of {total}"))
     log.info("simulated %d rows in %.1fs", len(sweep), time.monotonic() - start)
