@@ -266,7 +266,9 @@ def test_make_private_trains_chat_rows_and_the_ledger_is_the_guarantee(ckpt, tmp
         stats = dp.step()
     assert math.isfinite(stats.loss) and dp.epsilon <= 4.0 + 1e-9
     dp.save(tmp_path / "out")
-    assert userdp.epsilon(userdp.read_ledger(tmp_path / "out")) == pytest.approx(dp.epsilon, rel=1e-12)
+    ledger = userdp.read_ledger(tmp_path / "out")
+    assert userdp.epsilon(ledger) == pytest.approx(dp.epsilon, rel=1e-12) and ledger["loss_tokens"] == "answers"
+    assert "on the answer tokens only" in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.integration

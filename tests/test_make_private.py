@@ -73,6 +73,7 @@ def test_the_snippet_runs_and_its_epsilon_is_the_released_guarantee(ckpt, tmp_pa
     assert ledger["complete"] and ledger["steps_completed"] == 20 == dp.steps_done
     assert ledger["seeds_mode"] == "secret" and ledger["seeds"]["sampler"] == "secret"
     assert ledger["method"] == method and ledger["optimizer"] == "AdamW (the caller's)"
+    assert "loss_tokens" not in ledger  # text rows: the loss is on every token, the ledger as before
     # the sampling the plan accounted for is the one that ran; no user over G in the pool
     counts = users_frame()["author"].value_counts().to_numpy()
     assert ledger["sampling_rate"] == dp.spec.sampling_rate

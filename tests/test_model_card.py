@@ -34,6 +34,7 @@ CHANGES = [
     (("versions", "userdp_code"), "fedcba9876543210"), (("versions", "torch"), "2.14.0"),
     (("contribution_stats",), {"epsilon": 0.1, "mechanism": "laplace histogram"}),
     (("epsilon_meaning",), "the 3 learning-rate runs composed"), (("learning_rates_tried",), 3),
+    (("loss_tokens",), "answers"),
 ]
 
 

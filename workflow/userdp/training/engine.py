@@ -882,6 +882,7 @@ def run_facts(run: Run) -> RunFacts:
         processes=ctx.dist.world_size if ctx.dist is not None else 1,
         trainable_parameters=sum(p.numel() for p in state.params), adapter=_adapter_record(state.model),
         nonfinite_units=dropped if ctx.settings.debug_step_log else None,
+        loss_tokens=None if ctx.pool.loss_mask_values is None else "answers",
     )
 
 

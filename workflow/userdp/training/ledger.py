@@ -107,6 +107,7 @@ class RunFacts:
     trainable_parameters: int | None = None
     adapter: Mapping[str, Any] | None = None
     nonfinite_units: int | None = None
+    loss_tokens: str | None = None   # "answers" for chat / instruction data (a loss mask); None: every token
 
 
 def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., float] | None = None) -> dict[str, Any]:
@@ -185,6 +186,8 @@ def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., floa
         # users' data, released only with training.debug_step_log (like the per-step log).
         "nonfinite_units": facts.nonfinite_units,
     })
+    if facts.loss_tokens is not None:  # only chat and instruction runs: text runs' ledgers are as they were
+        ledger["loss_tokens"] = facts.loss_tokens
     return ledger
 
 

@@ -39,6 +39,12 @@ NOT_COVERED = (
 )
 
 
+#: The ledger's `loss_tokens` (absent: text rows) -> what the card says the loss was on.
+LOSS_TOKENS = {None: "next-token cross-entropy on every token of each example",
+               "answers": "next-token cross-entropy on the answer tokens only (chat rows: the assistant's "
+                          "messages; instruction rows: the completions)"}
+
+
 def _num(value: Any, digits: int = 4) -> str:
     if value is None:
         return "none"
@@ -97,6 +103,7 @@ def card_facts(ledger: Mapping[str, Any], audit: Mapping[str, Any] | None = None
         "learning_rate": ledger.get("learning_rate"),
         "optimizer": ledger.get("optimizer"),
         "n_train_users": ledger.get("n_train_users"),
+        "loss_tokens": ledger.get("loss_tokens"),
         "userdp_version": versions.get("userdp"),
         "code_digest": versions.get("userdp_code"),
         "versions": dict(versions),
@@ -176,6 +183,7 @@ def render(ledger: Mapping[str, Any], *, title: str | None = None, audit: Mappin
             f"{', '.join(f['adapter'].get('target_modules') or [])})" if f["adapter"] else "every parameter")
     out += [f"- base model: {f['base_model'] or 'not recorded (full fine-tuning of the model given)'}",
             f"- trained: {what}; {f['trainable_parameters']} trainable parameters",
+            f"- loss: {LOSS_TOKENS.get(f['loss_tokens'], f['loss_tokens'])}",
             f"- optimizer: {f['optimizer'] or 'not recorded'}, learning rate {_num(f['learning_rate'])}",
             f"- train users: {f['n_train_users']}",
             f"- expected batch (the public divisor): {_num(f['expected_batch'])} {f['sampled_unit']}s", ""]
