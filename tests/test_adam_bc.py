@@ -13,6 +13,7 @@ import torch
 
 from train_fixtures import plan_for, run_settings, tiny_model, train_pool
 from userdp.errors import ConfigError
+from userdp.privacy.spec import PRIVATE_SIZES
 from userdp.training import engine
 from userdp.training.optim import ADAM_BC_FLOOR, AdamBC, make_optimizer
 
@@ -90,6 +91,55 @@ def test_the_engine_gives_it_the_updates_noise(method, sigma, clip, tmp_path):
     for _ in range(plan.steps):
         run.advance()
     assert all(torch.isfinite(p).all() for p in run.state.params)
+
+
+@pytest.mark.parametrize("policy", ["pool", "planned"])
+def test_the_subtracted_variance_is_the_variance_of_the_noise_the_update_holds(policy):
+    """Measured: the noise the engine adds, divided as the update is, has the std the optimizer subtracts."""
+    import dataclasses
+
+    pool = train_pool(30, seed=1)
+    plan = plan_for(pool, "uls", expected=4.0, steps=2, sigma=1.3, clip=0.7)
+    if policy == "planned":  # the divisor is the plan's public expected batch (DP contribution statistics)
+        stats = {"private": True, "dp_event": {"type": "LaplaceDpEvent", "noise_multiplier": 5.0}}
+        plan = dataclasses.replace(plan, planning_sizes=PRIVATE_SIZES, expected_batch=5.5, contribution_stats=stats)
+    seen = []
+    seeds = engine.run_seeds(0, 0, "tiny", "uls", "8", 12, 3, 1e-2, secret=False)
+    run = engine.setup(tiny_model(), pool, plan, run_settings(optimizer="adam_bc"), None, seeds, 0,
+                       hook=engine.Observer(seen.append))
+    run.advance()
+    run.advance()
+    noise = torch.cat([n.flatten() for o in seen for n in o.noise]).double() / run.step.expected
+    assert run.step.expected == (5.5 if policy == "planned" else pytest.approx(4.0))
+    assert noise.numel() > 8_000  # std's relative standard error < 0.8%: 3% is about 4 of them
+    assert float(noise.std()) == pytest.approx(run.state.optimizer.noise_std, rel=0.03)
+
+
+@pytest.mark.integration
+def test_a_trainer_with_adam_bc_gets_the_plans_noise(tmp_path):
+    """Trainer wraps the optimizer (accelerate); the run still binds the noise, and a wrong one is refused."""
+    import userdp
+    from test_api import checkpoint, users_frame
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+
+    ckpt = checkpoint(tmp_path / "ckpt")
+    privacy = userdp.PrivacyArguments(method="els", epsilon=4.0, compute=200, user_column="author",
+                                      text_column="body", secret_seeds=False)
+
+    def trainer(opt):
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, max_grad_norm=0.0, report_to=[],
+                                 use_cpu=True, disable_tqdm=True, save_strategy="no")
+        model = AutoModelForCausalLM.from_pretrained(ckpt)
+        return userdp.UserDPTrainer(model=model, args=args, train_dataset=users_frame(),
+                                    processing_class=AutoTokenizer.from_pretrained(ckpt), privacy=privacy,
+                                    optimizers=(opt(model), None))
+    t = trainer(lambda m: AdamBC(m.parameters(), lr=1e-3))
+    t.train()
+    spec = t.spec
+    assert t.optimizer.optimizer.noise_std == pytest.approx(
+        spec.noise_multiplier * spec.clip_norm / spec.expected_batch, rel=1e-6)
+    with pytest.raises(ConfigError, match=r"AdamBC\.noise_std is 0\.5, but the noise in this run's update"):
+        trainer(lambda m: AdamBC(m.parameters(), lr=1e-3, noise_std=0.5)).train()
 
 
 def test_make_private_fills_in_the_plans_noise(tmp_path):

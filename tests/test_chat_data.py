@@ -98,6 +98,64 @@ def test_assistant_tokens_are_the_targets_and_nothing_else(tok):
     assert context.count("<|im_start|>assistant\n") == 2  # the role headers are context
 
 
+# A Qwen-like template (a default system prompt when the first message is not one), a Llama-like one (its own
+# bos, header tokens written as text), a Mistral-like one that refuses roles out of turn, and one that shows
+# only the last assistant answer (earlier turns are not prefixes of the whole).
+QWEN_LIKE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful model.<|im_end|>\n"
+             "{% endif %}" + CHATML)
+LLAMA_LIKE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] | trim }}{{ eos_token }}"
+              "{% endfor %}{% if add_generation_prompt %}[assistant]: {% endif %}")
+STRICT = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+          "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+LAST_ONLY = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<|im_start|>{{ m['role'] }}\n"
+             "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
+
+
+def _with_template(tok, template):
+    import copy as copy_module
+
+    other = copy_module.deepcopy(tok)
+    other.chat_template = template
+    return other
+
+
+def test_an_answer_first_conversation_keeps_the_default_system_prompt_as_context(tok):
+    qwen = _with_template(tok, QWEN_LIKE)
+    msgs = [{"role": "assistant", "content": "privacy token"}, {"role": "user", "content": "clip"},
+            {"role": "assistant", "content": "noise"}]
+    ids, _, mask, _ = chat.frame_examples(qwen, "messages", [msgs], 64)
+    assert ids.tolist() == qwen.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    assert qwen.decode(ids[mask]) == "privacy token<|im_end|>\nnoise<|im_end|>\n"
+    assert "You are a helpful model." in qwen.decode(ids[~mask])
+
+
+def test_a_template_with_its_own_bos_and_trimmed_content(tok):
+    llama = _with_template(tok, LLAMA_LIKE)
+    msgs = [{"role": "user", "content": "clip noise"}, {"role": "assistant", "content": " privacy model "}]
+    ids, _, mask, _ = chat.frame_examples(llama, "messages", [msgs], 64)
+    assert ids[0] == tok.bos_token_id and not mask[0]
+    assert llama.decode(ids[mask]) == "privacy model" + tok.eos_token
+    assert "[assistant]:" in llama.decode(ids[~mask])
+
+
+def test_a_template_that_refuses_or_reorders_is_a_data_error_naming_the_row(tok):
+    from userdp.api import _rows, _tokens_table
+
+    frame = pd.DataFrame({"author": ["a", "b"], "messages": [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+        [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "ok"}]]})
+    users, examples = _rows(frame, "author", chat.Framing.of(messages_column="messages"))
+    with pytest.raises(DataError, match=r"data row 1: the tokenizer's chat template refused this conversation "
+                                        r"\(TemplateError: Conversation roles must alternate"):
+        _tokens_table(_with_template(tok, STRICT), users, examples, 64, "messages")
+    two_turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                 {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with pytest.raises(DataError, match=r"row 0: the tokenizer's chat template does not render this "
+                                        r"conversation's turns as prefixes"):
+        chat.frame_examples(_with_template(tok, LAST_ONLY), "messages", [two_turns], 64)
+
+
 def test_prompt_completion_targets_are_the_completion_and_eos(tok):
     ids, lengths, mask, _ = chat.frame_examples(tok, "prompt_completion", [("clip noise", " privacy model")], 64)
     bos, eos = tok.bos_token_id, tok.eos_token_id
@@ -234,6 +292,35 @@ def test_the_per_example_gradient_is_the_masked_losss_and_ignores_labels_outside
     labels[inside] = (labels[inside] + 7) % len(tok)
     moved = _per_example(model, mb, params, labels)
     assert all(not torch.allclose(moved[r], got[r]) for r in range(n))
+
+
+def test_per_user_gradients_of_several_rows_are_the_masked_losses_weighted_mean(ckpt, tok):
+    """ULS units of 1 to 4 rows (sorted by unit size inside ClippedGradients): each user's clipped norm is the
+    norm of sum_r grad(masked loss of r) / m_u, brute force."""
+    from transformers import AutoModelForCausalLM
+
+    from userdp.api import _rows, _tokens_table
+    from userdp.training.batching import pack_micro_batches, select_uls
+    from userdp.training.clipping import ClippedGradients
+    from userdp.training.pool import build_pool
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rng = np.random.default_rng(5)
+    frame = pd.DataFrame([{"author": f"u{u}", "messages": conversation(rng, 1 + r % 2)}
+                          for u, size in enumerate([4, 1, 3, 2, 4]) for r in range(size)])
+    users, examples = _rows(frame, "author", chat.Framing.of(messages_column="messages"))
+    pool = build_pool(_tokens_table(tok, users, examples, 48, "messages"), group_size=4, seed=0)
+    (mb,) = pack_micro_batches(pool, select_uls(pool, np.arange(pool.n_users)), 32, 48, tok.pad_token_id)
+    assert sorted(np.bincount(mb.unit_ids[mb.unit_ids >= 0].numpy()).tolist()) == [1, 2, 3, 4, 4]
+    norms = ClippedGradients(model, 1e-3).accumulate(mb.input_ids, mb.attention_mask, mb.unit_ids,
+                                                     mb.row_weights, mb.loss_mask).unit_norms
+    n = mb.n_rows
+    per_row = _brute_force(model, mb.input_ids[:n], mb.attention_mask[:n], mb.loss_mask[:n], params)
+    units, weights = mb.unit_ids[:n], mb.row_weights[:n].double()
+    want = torch.stack([(per_row[units == u] * weights[units == u, None]).sum(0).norm()
+                        for u in torch.unique(units)])
+    torch.testing.assert_close(norms, want, rtol=1e-9, atol=1e-12)
 
 
 def test_the_plain_text_loss_is_unchanged_by_the_mask_argument(ckpt, tok):
@@ -379,6 +466,11 @@ def test_prepare_and_tokenize_carry_the_framing_and_the_loss_mask(tmp_path, ckpt
     streamed, whole = load_train_pool(tokens, 2, seed=3, batch_rows=7), build_pool(read_train_tokens(tokens), 2, 3)
     assert np.array_equal(streamed.loss_mask_values, whole.loss_mask_values)
     assert np.array_equal(streamed.token_values, whole.token_values) and streamed.loss_mask_values.any()
+    # every pool row holds its own example's tokens and mask (a misordering shared by both routes fails here)
+    by_id = {r["example_id"]: r for r in table.to_pylist()}
+    for r in range(streamed.n_examples):
+        row = by_id[int(streamed.example_ids[r])]
+        assert streamed.tokens(r).tolist() == row["input_ids"] and streamed.loss_mask(r).tolist() == row["loss_mask"]
     with pytest.raises(ConfigError, match="long_examples is 'chunk'.*holds messages examples"):
         tokenize_examples(examples, tmp_path / "tokenizer", tmp_path / "x.parquet", 48, "chunk")
     make_tokenizer(tmp_path / "plain")
@@ -386,3 +478,13 @@ def test_prepare_and_tokenize_carry_the_framing_and_the_loss_mask(tmp_path, ckpt
     with pytest.raises(ConfigError, match="tokenizer.name, results/tokenizer.*no chat template"):
         tokenize_examples(examples, tmp_path / "plain-prepared", tmp_path / "y.parquet", 48)
     assert not (tmp_path / "y.parquet").exists() and not (tmp_path / "x.parquet").exists()
+    # a bad row part-way through (after batches were written) leaves no half-written tokens table
+    import pyarrow as pa
+
+    bad = pq.read_table(examples)
+    texts[11] = "not a conversation"
+    pq.write_table(bad.set_column(bad.schema.get_field_index("text"), "text", pa.array(texts)).replace_schema_metadata(
+        bad.schema.metadata), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad\.parquet, row 12: the text is not a stored messages example"):
+        tokenize_examples(tmp_path / "bad.parquet", tmp_path / "tokenizer", tmp_path / "z.parquet", 48, batch_rows=5)
+    assert not (tmp_path / "z.parquet").exists() and not list(tmp_path.glob("*.tmp*"))

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -72,3 +74,13 @@ def test_chat_rows_train_and_evaluate_on_the_assistant_tokens(tmp_path):
         metrics = json.loads((cell / "metrics.json").read_text())
         loss = next(v for k, v in metrics.items() if k.endswith("test_loss") or k == "test_loss")
         assert math.isfinite(loss)
+        # the evaluation scored the answer tokens of its test users, and nothing else
+        scored = pq.read_table(cell / "lr~0.01" / "eval_users.parquet").to_pandas()
+        rows = tokens.filter(pc.is_in(tokens["user_id"], value_set=pa.array(scored["user_id"].tolist())))
+        rows = rows.filter(pc.equal(rows["split"], "test")).to_pydict()
+        want = {u: 0 for u in scored["user_id"]}
+        for u, m in zip(rows["user_id"], rows["loss_mask"]):
+            want[u] += int(np.array(m)[1:].sum())
+        assert dict(zip(scored["user_id"], scored["n_tokens"].astype(int))) == want
+        eval_json = json.loads((cell / "lr~0.01" / "eval.json").read_text())
+        assert eval_json["test_n_tokens"] == sum(want.values())

@@ -34,13 +34,14 @@ def _config(out, **kw):
     return trl.SFTConfig(**base)
 
 
-def _trainer(ckpt, out, rows=None, privacy=PRIVACY, **kw):
+def _trainer(ckpt, out, rows=None, privacy=PRIVACY, compute_loss_func=None, **kw):
     from peft import LoraConfig
 
     return userdp.UserDPSFTTrainer(
         model=str(ckpt), args=_config(out, **kw), train_dataset=chat_frame() if rows is None else rows,
         eval_dataset=chat_frame(6, seed=9), processing_class=AutoTokenizer.from_pretrained(ckpt),
-        peft_config=LoraConfig(r=4, target_modules="all-linear"), privacy=privacy)
+        peft_config=LoraConfig(r=4, target_modules="all-linear"), privacy=privacy,
+        compute_loss_func=compute_loss_func)
 
 
 @pytest.mark.integration
@@ -53,9 +54,13 @@ def test_sft_on_chat_rows_trains_the_answers_evaluates_and_releases(ckpt, tmp_pa
     assert trainer.privacy.messages_column == "messages"  # TRL's conversational column, detected
     # the pool's targets are the assistant tokens of each conversation, as userdp frames them
     tok = trainer._tok
-    _, _, mask, _ = chat.frame_examples(tok, "messages", [list(m) for m in rows["messages"]], 48)
+    ids, lengths, mask, _ = chat.frame_examples(tok, "messages", [list(m) for m in rows["messages"]], 48)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
     pool = trainer._pool
-    assert pool.loss_mask_values is not None and 0 < pool.loss_mask_values.mean() < mask.mean() * 2
+    for r in range(pool.n_examples):  # each pool row: its own row's tokens and answer mask (example id = row)
+        e = int(pool.example_ids[r])
+        assert pool.tokens(r).tolist() == ids[starts[e]:starts[e + 1]].tolist()
+        assert pool.loss_mask(r).tolist() == mask[starts[e]:starts[e + 1]].tolist()
     trainer.train()
     assert not (tmp_path / "out" / "README.md").exists()  # TRL's card (no DP facts) is never written
     logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -89,10 +94,18 @@ def test_prompt_completion_rows_are_detected_and_evaluated_on_the_completion(ckp
     ({"padding_free": True}, r"SFTConfig\.padding_free is True"),
     ({"max_grad_norm": 1.0}, r"TrainingArguments\.max_grad_norm is 1\.0"),
     ({"gradient_accumulation_steps": 2}, r"gradient_accumulation_steps is 2"),
+    ({"loss_type": "dft"}, r"SFTConfig\.loss_type is 'dft': UserDPSFTTrainer's DP step computes its own loss"),
+    ({"label_smoothing_factor": 0.1}, r"SFTConfig\.label_smoothing_factor is 0\.1"),
+    ({"truncation_mode": "keep_end"}, r"SFTConfig\.truncation_mode is 'keep_end'"),
 ])
 def test_settings_that_break_the_unit_are_refused(ckpt, tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         _trainer(ckpt, tmp_path / "bad", **kw)
+
+
+def test_a_custom_loss_function_is_refused(ckpt, tmp_path):
+    with pytest.raises(ConfigError, match="compute_loss_func is given"):
+        _trainer(ckpt, tmp_path / "bad", compute_loss_func=lambda *a, **k: 0.0)
 
 
 def test_completion_only_loss_false_on_instruction_rows_is_refused(ckpt, tmp_path):

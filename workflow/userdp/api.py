@@ -351,15 +351,10 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, method: 
     output_dir.
     """
     from .config import API_DATASET, run_config
-
-    from .data.chat import Framing
-
     from .data.chat import Framing
 
     eps = _check_target(method, epsilon, compute, steps)
     group_size = _check_group_size(group_size)
-    framing = Framing.of(text_column=text_column, messages_column=messages_column, prompt_column=prompt_column,
-                         completion_column=completion_column)
     framing = Framing.of(text_column=text_column, messages_column=messages_column, prompt_column=prompt_column,
                          completion_column=completion_column)
     out = _output_dir(output_dir)

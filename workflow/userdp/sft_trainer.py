@@ -24,7 +24,9 @@ changes against a plain SFTTrainer, and why:
 - Refused, each with a ConfigError naming the SFTConfig field: `packing` (a packed sequence holds examples
   of several users: no per-user gradient exists to clip), `padding_free` (rows flattened into one sequence:
   the same), `completion_only_loss=False` on prompt/completion rows (userdp trains on the completion only),
-  and everything UserDPTrainer refuses (max_grad_norm > 0, gradient accumulation, several processes, fp16,
+  settings of SFTTrainer's own loss that the DP step would not apply (`loss_type` other than nll,
+  `label_smoothing_factor`, `compute_loss_func`, `activation_offloading`, `truncation_mode="keep_end"`,
+  `eval_packing`), and everything UserDPTrainer refuses (max_grad_norm > 0, gradient accumulation, several processes, fp16,
   max_steps unset). For conversations the loss is on the assistant's tokens whatever
   `assistant_only_loss` says (TRL's default, False, trains on the whole sequence; userdp's contract is the
   answers only); it is logged.
@@ -64,6 +66,10 @@ class UserDPSFTTrainer(UserDPTrainer, SFTTrainer):
             raise ConfigError(f"privacy is a {type(privacy).__name__}; give userdp.PrivacyArguments(...).")
         if train_dataset is None:
             raise ConfigError("train_dataset is missing: give the rows to train on (user and example columns).")
+        if kwargs.get("compute_loss_func") is not None:
+            raise ConfigError("compute_loss_func is given: UserDPSFTTrainer's DP step computes its own loss (the "
+                              "mean next-token cross-entropy of each row's answer tokens); a custom loss would "
+                              "act on evaluation only. Leave compute_loss_func unset.")
         args = _sft_config(args, model)
         rows = _as_dataset(train_dataset, "train_dataset")
         if kwargs.get("eval_dataset") is not None:
@@ -106,9 +112,30 @@ def _sft_config(args: Any, model: Any) -> SFTConfig:
     if args.padding_free:
         raise ConfigError("SFTConfig.padding_free is True: the rows of a batch would be flattened into one "
                           "sequence, and DP clipping needs each row's own gradient. Set padding_free=False.")
+    # Settings of SFTTrainer's own loss and batches: the DP step computes its loss itself (mean next-token
+    # cross-entropy over each row's answer tokens), so these would train one objective and evaluate another.
+    ignored = [(name, value, fix) for name, value, fix in (
+        ("loss_type", args.loss_type, "'nll'"),
+        ("label_smoothing_factor", args.label_smoothing_factor, "0"),
+        ("activation_offloading", args.activation_offloading, "False"),
+        ("truncation_mode", args.truncation_mode, "'keep_start'"),
+        ("eval_packing", args.eval_packing, "None or False"),
+    ) if not _default(name, value)]
+    if ignored:
+        name, value, fix = ignored[0]
+        raise ConfigError(f"SFTConfig.{name} is {value!r}: UserDPSFTTrainer's DP step computes its own loss (the "
+                          "mean next-token cross-entropy of each row's answer tokens) on rows cut at max_length "
+                          f"from the start, so this setting would not act on training. Set {name}={fix}.")
     kwargs = dict(args.dataset_kwargs or {})
     kwargs["skip_prepare_dataset"] = True
     return dataclasses.replace(args, dataset_kwargs=kwargs, assistant_only_loss=False)
+
+
+def _default(name: str, value: Any) -> bool:
+    """Whether an SFTConfig setting has the value the DP step's own loss and framing agree with."""
+    return {"loss_type": value == "nll", "label_smoothing_factor": not value,
+            "activation_offloading": not value, "truncation_mode": value == "keep_start",
+            "eval_packing": not value}[name]
 
 
 def _as_dataset(rows: Any, name: str) -> Any:

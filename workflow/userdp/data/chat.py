@@ -9,10 +9,11 @@ An example is framed in one of three ways (`Framing.kind`):
   template's own special tokens; no bos or eos is added). The targets are
   the tokens of the assistant messages as the template renders them (their
   content and the template's end-of-turn marker), found by rendering
-  prefixes: assistant message i spans the characters from
-  render(messages[:i], add_generation_prompt=True) to
-  render(messages[:i + 1]). System, user and tool tokens, and the role
-  headers, are context only.
+  prefixes: assistant message i spans the characters from where the
+  template puts its content (messages[:i] rendered with an assistant
+  message whose content is a sentinel) to the end of
+  render(messages[:i + 1]). System, user and tool tokens, the role headers
+  and any default system prompt the template adds are context only.
 - `prompt_completion`: bos + prompt + completion + eos, the prompt and the
   completion encoded separately (so the boundary is exact); the targets are
   the completion's tokens and eos.
@@ -197,19 +198,36 @@ def chat_template_of(tok: Any, owner: str = "the tokenizer") -> None:
                           "prompt/completion columns.")
 
 
-def render_messages(tok: Any, messages: list[dict[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation as the chat template renders it, and the character spans of its assistant messages."""
-    def render(msgs: list[dict[str, str]], prompt: bool) -> str:
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+#: Stands in for an assistant message's content to find where the template puts that content.
+_SENTINEL = "\u2063userdp-answer\u2063"
 
-    full = render(messages, False)
+
+def render_messages(tok: Any, messages: list[dict[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the chat template renders it, and the character spans of its assistant messages.
+
+    Assistant message i spans from where the template puts its content (found by rendering messages[:i] plus
+    an assistant message whose content is a sentinel: the role header and whatever the template adds before
+    an answer, a default system prompt included, stay context) to the end of render(messages[:i + 1]) (its
+    content and end-of-turn marker). Every such rendering must be a prefix of the whole conversation's.
+    """
+    def render(msgs: list[dict[str, str]]) -> str:
+        try:
+            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+        except Exception as exc:  # jinja2's TemplateError and the template's own raise_exception(...)
+            raise DataError(f"{where}: the tokenizer's chat template refused this conversation "
+                            f"({type(exc).__name__}: {exc}); fix the row's roles or order, or give "
+                            "prompt/completion columns.") from None
+
+    full = render(messages)
     spans = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        start_text = render(messages[:i], True) if i else render([], True) if _renders_empty(tok) else ""
-        upto = render(messages[:i + 1], False)
-        if not (upto.startswith(start_text) and full.startswith(upto)):
+        probe = render([*messages[:i], {"role": "assistant", "content": _SENTINEL}])
+        upto = render(messages[:i + 1])
+        at = probe.find(_SENTINEL)
+        start_text = probe[:at]
+        if at < 0 or not (upto.startswith(start_text) and full.startswith(upto)):
             raise DataError(f"{where}: the tokenizer's chat template does not render this conversation's turns "
                             f"as prefixes of one another (message {i}, an assistant message), so its assistant "
                             "tokens cannot be found (templates that drop earlier reasoning or reorder turns do "
@@ -217,14 +235,6 @@ def render_messages(tok: Any, messages: list[dict[str, str]], where: str) -> tup
                             "columns.")
         spans.append((len(start_text), len(upto)))
     return full, spans
-
-
-def _renders_empty(tok: Any) -> bool:
-    try:
-        tok.apply_chat_template([], tokenize=False, add_generation_prompt=True)
-    except Exception:  # templates index messages[0]: an empty conversation has no rendering
-        return False
-    return True
 
 
 def _span_mask(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:

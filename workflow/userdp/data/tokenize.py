@@ -226,6 +226,9 @@ def chat_template(tok_dir: str | Path) -> str | None:
     config = tok_dir / "tokenizer_config.json"
     if config.is_file():
         value = read_json(config).get("chat_template")
+        if isinstance(value, list):  # named templates: the "default" one is what apply_chat_template uses
+            value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"),
+                         None)
         if isinstance(value, str) and value:
             return value
     return None

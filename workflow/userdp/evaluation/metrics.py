@@ -199,7 +199,8 @@ def summarise(nll: np.ndarray, correct: np.ndarray, n_targets: np.ndarray, user_
     """Micro (token) and macro (user) averages of per-sequence sums."""
     total = int(n_targets.sum())
     if total == 0:
-        raise DataError("the evaluation set has no target tokens (every row is only the bos token).")
+        raise DataError("the evaluation set has no target tokens (every row is only the bos token, or, for chat and "
+                        "instruction data, every answer was cut by the sequence length: raise it).")
     per_user = per_user_scores(nll, n_targets, user_ids)
     per_user = per_user[per_user["n_tokens"] > 0]
     loss = float(nll.sum() / total)

@@ -448,8 +448,9 @@ class RunState:
             self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
         else:  # the caller's own (userdp.make_private): its scheduler, if any, is stepped with it
             self.optimizer, self.scheduler = optimizer, scheduler
-            if isinstance(optimizer, AdamBC) and optimizer.noise_std is None:
-                optimizer.noise_std = update_noise_std  # the plan's public sigma C / (q N)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Trainer's AcceleratedOptimizer wraps it
+        if isinstance(inner, AdamBC):
+            inner.bind_noise(update_noise_std)  # the plan's public sigma C / (q N)
         self.private = mech.clip_norm is not None
         self.step, self.examples_processed, self.users_processed = 0, 0, 0
         self.rows: list[dict[str, Any]] = []

@@ -52,6 +52,16 @@ class AdamBC(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "floor": float(floor)})
         self.noise_std = None if noise_std is None else float(noise_std)
 
+    def bind_noise(self, noise_std: float) -> None:
+        """Take the run's per-coordinate update noise (the engine calls this); a different one set before is a
+        ConfigError (the correction would subtract another variance than the noise's)."""
+        noise_std = float(noise_std)
+        if self.noise_std is not None and abs(self.noise_std - noise_std) > 1e-9 * max(noise_std, 1e-12):
+            raise ConfigError(f"AdamBC.noise_std is {self.noise_std}, but the noise in this run's update has "
+                              f"standard deviation {noise_std} (sigma C / q N of the plan): leave noise_std unset "
+                              "(None) and the run sets it.")
+        self.noise_std = noise_std
+
     @torch.no_grad()
     def step(self, closure=None):
         if self.noise_std is None:
@@ -92,7 +102,7 @@ class AdamBC(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
 
-def _adam_bc(params: list[torch.nn.Parameter], lr: float, noise_std: float = 0.0) -> torch.optim.Optimizer:
+def _adam_bc(params: list[torch.nn.Parameter], lr: float, noise_std: float | None = None) -> torch.optim.Optimizer:
     return AdamBC(params, lr=lr, noise_std=noise_std)
 
 
@@ -141,9 +151,10 @@ SCHEDULES: dict[str, Callable[[float], float]] = {
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float,
-                   noise_std: float = 0.0) -> torch.optim.Optimizer:
+                   noise_std: float | None = None) -> torch.optim.Optimizer:
     """Build the optimizer `name` (training.optimizer) with learning rate `lr`; noise_std: the per-coordinate
-    standard deviation of the noise in the privatised update, sigma C / (q N) (read by adam_bc only)."""
+    standard deviation of the noise in the privatised update, sigma C / (q N) (read by adam_bc only; None:
+    the run binds it, `AdamBC.bind_noise`)."""
     if name not in OPTIMIZERS:
         raise ConfigError(f"training.optimizer is {name!r}; allowed values: {list(OPTIMIZERS)}.")
     if name in NOISE_AWARE:
