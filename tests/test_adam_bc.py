@@ -75,7 +75,7 @@ def test_a_missing_noise_std_and_bad_settings_are_refused():
         AdamBC([p]).step()
     with pytest.raises(ConfigError, match="floor is 0"):
         AdamBC([p], noise_std=0.1, floor=0)
-    assert isinstance(make_optimizer([p], "adam_bc", 0.1, 0.2), AdamBC) and ADAM_BC_FLOOR == 1e-8
+    assert isinstance(make_optimizer([p], "adam_bc", 0.1), AdamBC) and ADAM_BC_FLOOR == 1e-8
 
 
 @pytest.mark.parametrize("method,sigma,clip", [("els", 0.8, 0.5), ("uls", 1.3, 1.0), ("uls", 0.0, None)])

@@ -242,8 +242,8 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     row given. messages_column / prompt_column + completion_column: chat or instruction rows instead of text
     (as `fine_tune`'s); the metrics are then over the answer tokens alone.
     """
-    from .data.chat import Framing
     from .config import run_config
+    from .data.chat import Framing, loss_masks
     from .evaluation.metrics import per_user_scores, sequence_scores, summarise
     from .training.models import check_model_fits, resolve_device
 
@@ -266,18 +266,8 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     check_model_fits(released, str(model), tok, length)
     table = _tokens_table(tok, users, examples, length, framing.kind)
     sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
-    masks = _loss_masks(table)
-    nll, correct, n_targets = sequence_scores(released, sequences, size, dev, masks)
+    nll, correct, n_targets = sequence_scores(released, sequences, size, dev, loss_masks(table))
     return EvaluationResult(summarise(nll, correct, n_targets, users), per_user_scores(nll, n_targets, users))
-
-
-def _loss_masks(table: Any) -> list[np.ndarray] | None:
-    """Each row's loss mask of a tokens table (chat and instruction data), or None (plain text)."""
-    from .data.chat import LOSS_MASK
-
-    if LOSS_MASK not in table.column_names:
-        return None
-    return [np.asarray(x, dtype=bool) for x in table.column(LOSS_MASK).to_pylist()]
 
 
 def _tokenizer_of(model: str | os.PathLike) -> str:
@@ -465,7 +455,7 @@ def _rows(data: Any, user_column: str, framing: Any) -> tuple[list[str], list]:
                         f"per example and the columns {named}.")
     missing = [c for c in wanted if c not in columns]
     if missing:
-        given = ", ".join(f"{k} {v!r}" for k, v in zip(("user_column", *_column_keys(framing)), wanted))
+        given = ", ".join(f"{k} {v!r}" for k, v in zip(("user_column", *framing.column_keys), wanted))
         raise DataError(f"data has no column(s) {missing} ({given}); its columns are {columns}. Rename them or "
                         "pass the right names.")
     twice = sorted({c for c in wanted if columns.count(c) > 1})
@@ -495,11 +485,6 @@ def _rows(data: Any, user_column: str, framing: Any) -> tuple[list[str], list]:
     return [str(u) for u in users], examples
 
 
-def _column_keys(framing: Any) -> tuple[str, ...]:
-    return {"text": ("text_column",), "messages": ("messages_column",),
-            "prompt_completion": ("prompt_column", "completion_column")}[framing.kind]
-
-
 def _column(data: Any, name: str) -> list:
     col = data[name]
     return col.to_pylist() if hasattr(col, "to_pylist") else list(col)
@@ -519,9 +504,9 @@ def _tokens_table(tok: Any, users: list[str], examples: list, sequence_length: i
     chat / instruction examples framed by `data.chat.frame_examples` with their `loss_mask` column."""
     import pyarrow as pa
 
-    from .data.chat import LOSS_MASK, frame_examples
+    from .data.chat import LOSS_MASK, frame_examples, warn_cut_answers
     from .data.token_ids import special_token_ids
-    from .data.tokenize import encode, frame
+    from .data.tokenize import encode, frame, list_array
 
     mask = None
     if kind == "text":
@@ -531,18 +516,14 @@ def _tokens_table(tok: Any, users: list[str], examples: list, sequence_length: i
     else:
         ids, out_len, mask, empty = frame_examples(tok, kind, examples, sequence_length,
                                                    where=[f"data row {i}" for i in range(len(examples))])
-        if empty:
-            log.warning("%d of %d rows have no answer token within the first %d tokens (sequence_length): they "
-                        "train nothing; raise the sequence length or shorten the prompts", empty, len(examples),
-                        sequence_length)
-    offsets = np.concatenate([[0], np.cumsum(out_len)]).astype(np.int32)
+        warn_cut_answers(empty, len(examples), sequence_length)
     columns = {
         "user_id": pa.array(users, pa.string()),
         "example_id": pa.array(np.arange(len(users), dtype=np.int64)),
         "split": pa.array(["train"] * len(users), pa.string()),
-        "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.int32())),
+        "input_ids": list_array(ids, out_len),
         "n_tokens": pa.array(out_len.astype(np.int32)),
     }
     if mask is not None:
-        columns[LOSS_MASK] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask, pa.bool_()))
+        columns[LOSS_MASK] = list_array(mask, out_len, pa.bool_())
     return pa.table(columns)

@@ -52,13 +52,9 @@ class PrivacyArguments:
 
     def framing(self) -> Any:
         """The data's kind of example and its columns (`data.chat.Framing`); plain text in "text" by default."""
-        from .data.chat import Framing
+        from .data.chat import COLUMN_KEYS, Framing
 
-        columns = {k: getattr(self, k) for k in ("text_column", "messages_column", "prompt_column",
-                                                 "completion_column")}
-        if all(v is None for v in columns.values()):
-            columns["text_column"] = "text"
-        return Framing.of(owner="PrivacyArguments.", **columns)
+        return Framing.of(owner="PrivacyArguments.", default_text="text", **{k: getattr(self, k) for k in COLUMN_KEYS})
 
     def __post_init__(self) -> None:
         check_target(self.method, self.epsilon, self.compute, 1)

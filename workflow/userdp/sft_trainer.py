@@ -154,8 +154,9 @@ def _as_dataset(rows: Any, name: str) -> Any:
 def _with_columns(privacy: PrivacyArguments, columns: list[str], args: SFTConfig) -> PrivacyArguments:
     """`privacy` with the example columns TRL would read, when it names none: `messages` (conversations),
     `prompt` + `completion`, else SFTConfig.dataset_text_field."""
-    named = (privacy.text_column, privacy.messages_column, privacy.prompt_column, privacy.completion_column)
-    if any(v is not None for v in named):
+    from .data.chat import COLUMN_KEYS
+
+    if any(getattr(privacy, k) is not None for k in COLUMN_KEYS):
         return privacy
     if "messages" in columns:
         return dataclasses.replace(privacy, messages_column="messages")

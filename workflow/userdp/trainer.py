@@ -302,14 +302,15 @@ class UserDPTrainer(Trainer):
     def _framed(self, data: Any) -> Any:
         import datasets
 
-        from .api import _loss_masks, _rows, _tokens_table
+        from .api import _rows, _tokens_table
+        from .data.chat import loss_masks
         from .training.models import special_ids
 
         framing = self.privacy.framing()
         users, examples = _rows(data, self.privacy.user_column, framing)
         table = _tokens_table(self._tok, users, examples, self._length, framing.kind)
         pad = special_ids(self._tok)["pad_token_id"]
-        masks = _loss_masks(table)
+        masks = loss_masks(table)
         ids, mask, labels = [], [], []
         for i, row in enumerate(table.column("input_ids").to_pylist()):
             n = len(row)

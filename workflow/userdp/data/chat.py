@@ -36,15 +36,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, DataError
 
+log = logging.getLogger("userdp.data.chat")
+
 KINDS = ("text", "messages", "prompt_completion")
 FRAMING_META = "userdp_framing"  # examples.parquet schema metadata key: the examples' framing kind
 LOSS_MASK = "loss_mask"          # tokens table column: per token, whether it is a target
+#: The settings that name a table's example columns (make_private's keywords, PrivacyArguments' fields, the
+#: local source's datasets.<name>.* keys).
+COLUMN_KEYS = ("text_column", "messages_column", "prompt_column", "completion_column")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +63,14 @@ class Framing:
     @classmethod
     def of(cls, *, text_column: str | None = None, messages_column: str | None = None,
            prompt_column: str | None = None, completion_column: str | None = None,
-           owner: str = "") -> "Framing":
-        """The framing the given column names ask for; exactly one kind. `owner` prefixes the names in errors."""
+           owner: str = "", default_text: str | None = None) -> "Framing":
+        """The framing the given column names ask for; exactly one kind. `owner` prefixes the names in errors;
+        `default_text`: the text column when no column is given (None: that is an error)."""
         given = {k: v for k, v in (("text_column", text_column), ("messages_column", messages_column),
                                    ("prompt_column", prompt_column), ("completion_column", completion_column))
                  if v is not None}
+        if not given and default_text is not None:
+            given, text_column = {"text_column": default_text}, default_text
         for key, value in given.items():
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{owner}{key} is {value!r}; give the column's name.")
@@ -90,10 +99,8 @@ class Framing:
     def of_spec(cls, name: str, spec: Mapping[str, Any]) -> "Framing":
         """The framing of dataset `name`'s rows (`datasets.<name>.text_column` / `messages_column` /
         `prompt_column` + `completion_column`; only the local source has them: text in "text" by default)."""
-        keys = {k: spec.get(k) for k in ("text_column", "messages_column", "prompt_column", "completion_column")}
-        if all(v is None for v in keys.values()):
-            keys["text_column"] = "text"
-        return cls.of(owner=f"datasets.{name}.", **keys)
+        keys = {k: spec.get(k) for k in COLUMN_KEYS}
+        return cls.of(owner=f"datasets.{name}.", default_text="text", **keys)
 
     @classmethod
     def of_examples(cls, schema: Any) -> str:
@@ -105,9 +112,11 @@ class Framing:
                             "another version. Delete it and rerun snakemake.")
         return kind
 
-    def describe(self) -> str:
-        return {"text": "plain text", "messages": "chat messages (loss on the assistant's messages)",
-                "prompt_completion": "prompt/completion pairs (loss on the completion)"}[self.kind]
+    @property
+    def column_keys(self) -> tuple[str, ...]:
+        """The names of the settings that hold `columns` (text_column, ... in the same order)."""
+        return {"text": ("text_column",), "messages": ("messages_column",),
+                "prompt_completion": ("prompt_column", "completion_column")}[self.kind]
 
 
 # ---------------------------------------------------------------- checking examples
@@ -187,6 +196,21 @@ def from_text(kind: str, text: str, where: str) -> Any:
 
 
 # ---------------------------------------------------------------- framing
+
+
+def loss_masks(table: Any) -> list[np.ndarray] | None:
+    """Each row's loss mask of a tokens table (chat and instruction data), or None (text: every token)."""
+    if LOSS_MASK not in table.column_names:
+        return None
+    return [np.asarray(x, dtype=bool) for x in table.column(LOSS_MASK).to_pylist()]
+
+
+def warn_cut_answers(empty: int, total: int, sequence_length: int) -> None:
+    """Log how many rows lost every answer token to the sequence length (they train nothing)."""
+    if empty:
+        log.warning("%d of %d rows have no answer token within the first %d tokens (the sequence length): they "
+                    "train nothing; raise the sequence length or shorten the prompts", empty, total,
+                    sequence_length)
 
 
 def chat_template_of(tok: Any, owner: str = "the tokenizer") -> None:

@@ -93,8 +93,6 @@ class LocalSource:
         self.path = Path(spec["path"]).expanduser()
         self.user_column = spec.get("user_column") or "user_id"
         self.framing = Framing.of_spec(name, spec)
-        self.columns = list(self.framing.columns)  # the example's columns: [text] or [messages] or [prompt, completion]
-        self.text_column = self.columns[0]
         self.group_column = spec.get("group_column") or None
         if self.group_column is not None and not isinstance(self.group_column, str):
             raise ConfigError(f"datasets.{name}.group_column is {self.group_column!r}; it must be a column name "
@@ -113,6 +111,16 @@ class LocalSource:
             raise ConfigError(f"datasets.{name}.format is {fmt!r}; allowed values: auto, {', '.join(FORMATS)}.")
         self.format = fmt
 
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The example's columns: (text,), (messages,) or (prompt, completion)."""
+        return self.framing.columns
+
+    @property
+    def text_column(self) -> str:
+        """The first example column (the text's for text rows): the one messages name."""
+        return self.framing.columns[0]
+
     # ---------------------------------------------------------------- helpers
 
     def _err(self, what: str) -> DataError:
@@ -120,8 +128,7 @@ class LocalSource:
 
     def _missing_columns(self, names: list[str]) -> DataError:
         missing = [c for c in (self.user_column, *self.columns) if c not in names]
-        keys = {"text": "text_column", "messages": "messages_column",
-                "prompt_completion": "prompt_column / completion_column"}[self.framing.kind]
+        keys = " / ".join(self.framing.column_keys)
         return self._err(
             f"missing column(s) {missing}; the file has columns {names}. Rename the columns or set "
             f"datasets.{self.name}.user_column / {keys}."
@@ -403,8 +410,7 @@ class LocalSource:
         if self.group_column is None:
             return None
         view = copy.copy(self)
-        view.text_column = self.group_column
-        view.framing, view.columns = Framing.of(text_column=self.group_column), [self.group_column]
+        view.framing = Framing.of(text_column=self.group_column)
         parts = []
         for batch in view.iter_batches(batch_rows):
             users, labels = batch.column(0), batch.column(1)

@@ -351,9 +351,10 @@ def frame(
     return seq[keep[chunk_of_tok]], out_len[keep], row[keep]
 
 
-def _list_array(flat: np.ndarray, lengths: np.ndarray) -> pa.Array:
+def list_array(flat: np.ndarray, lengths: np.ndarray, value_type: pa.DataType = pa.int32()) -> pa.Array:
+    """A list array of `value_type` from flat values and each row's length (token ids, loss masks)."""
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, value_type))
 
 
 def _schema_with_meta(schema: pa.Schema, tok, seq_len: int, mode: str) -> pa.Schema:
@@ -418,7 +419,7 @@ def tokenize_examples(
                         "user_id": batch.column("user_id").take(take),
                         "example_id": pa.array(ex_ids, pa.int64()),
                         "split": batch.column("split").take(take),
-                        "input_ids": _list_array(ids, out_len),
+                        "input_ids": list_array(ids, out_len),
                         "n_tokens": pa.array(out_len.astype(np.int32)),
                         "source_example_id": pa.array(src_ids, pa.int64()),
                     },
@@ -439,7 +440,7 @@ def _tokenize_chat(pf, examples_path: str | Path, tok, out_path: str | Path, seq
 
     Framed in this process (the chat template is Python): a conversation is one row, cut to `seq_len`.
     """
-    from .chat import LOSS_MASK, chat_template_of, frame_examples, from_text
+    from .chat import LOSS_MASK, chat_template_of, frame_examples, from_text, warn_cut_answers
 
     if mode != "truncate":
         raise ConfigError(f"tokenizer.long_examples is {mode!r}, but {examples_path} holds {kind} examples: a "
@@ -459,21 +460,18 @@ def _tokenize_chat(pf, examples_path: str | Path, tok, out_path: str | Path, seq
             where = [f"{examples_path}, row {row0 + i + 1}" for i in range(batch.num_rows)]
             examples = [from_text(kind, t, w) for t, w in zip(batch.column("text").to_pylist(), where)]
             ids, lengths, mask, empty = frame_examples(tok, kind, examples, seq_len, where=where)
-            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             example_ids = batch.column("example_id")
             writer.write(pa.table({
                 "user_id": batch.column("user_id"), "example_id": example_ids, "split": batch.column("split"),
-                "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids, pa.int32())),
-                "n_tokens": pa.array(lengths.astype(np.int32)), "source_example_id": example_ids,
-                LOSS_MASK: pa.ListArray.from_arrays(offsets, pa.array(mask, pa.bool_())),
+                "input_ids": list_array(ids, lengths), "n_tokens": pa.array(lengths.astype(np.int32)),
+                "source_example_id": example_ids, LOSS_MASK: list_array(mask, lengths, pa.bool_()),
             }, schema=schema))
             row0 += batch.num_rows
             n_out += batch.num_rows
             n_tok += int(lengths.sum())
             n_empty += empty
-    if n_empty and log_rows:
-        log.warning("%d of %d examples have no answer token within tokenizer.sequence_length (%d): they train "
-                    "nothing; raise the sequence length", n_empty, n_out, seq_len)
+    if log_rows:  # a count of the private rows: not logged with DP contribution statistics
+        warn_cut_answers(n_empty, n_out, seq_len)
     return {"examples_in": n_out, "examples_out": n_out, "tokens": n_tok, "sequence_length": seq_len,
             "long_examples": mode, "framing": kind, "without_answer_tokens": n_empty}
 
@@ -494,7 +492,7 @@ def tokenize_public(
     with ParquetBatchWriter(out_path, schema) as writer, encoded as encoded:
         for _, flat, lengths in encoded:
             ids, out_len, _ = frame(flat, lengths, bos, eos, seq_len, mode)
-            writer.write(pa.table({"input_ids": _list_array(ids, out_len), "n_tokens": pa.array(out_len.astype(np.int32))}, schema=schema))
+            writer.write(pa.table({"input_ids": list_array(ids, out_len), "n_tokens": pa.array(out_len.astype(np.int32))}, schema=schema))
             n_out += len(out_len)
             n_tok += int(out_len.sum())
     return {"sequences": n_out, "tokens": n_tok}

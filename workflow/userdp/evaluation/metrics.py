@@ -31,7 +31,7 @@ import pyarrow.dataset as ds
 import torch
 import torch.nn.functional as F
 
-from ..data.chat import LOSS_MASK
+from ..data.chat import LOSS_MASK, loss_masks
 from ..errors import DataError
 from ..io import read_schema, write_parquet
 from ..seeding import derive_seed_crc32
@@ -126,10 +126,8 @@ def load_eval_set(
     splits = set(table.column("split").to_pylist())
     assert splits == {split}, f"rows of splits {splits} leaked into the {split} evaluation set"
     sequences = [np.asarray(x, dtype=np.int64) for x in table.column("input_ids").to_pylist()]
-    masks = ([np.asarray(x, dtype=bool) for x in table.column(LOSS_MASK).to_pylist()]
-             if LOSS_MASK in names else None)
     return EvalSet(split=split, users=users, user_ids=table.column("user_id").to_pylist(), sequences=sequences,
-                   loss_masks=masks)
+                   loss_masks=loss_masks(table))
 
 
 @torch.no_grad()

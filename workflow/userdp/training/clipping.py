@@ -210,14 +210,12 @@ class ClippedGradients:
         self._check_trainable()
         device = next(self.model.parameters()).device
         keep = (unit_ids >= 0).to(input_ids.device)
-        input_ids = input_ids[keep].to(device)
-        attention_mask = attention_mask[keep].to(device)
-        unit_ids = unit_ids.to(keep.device)[keep].to(device)
-        row_weights = row_weights.to(keep.device)[keep].to(device)
-        if loss_mask is not None:
-            loss_mask = loss_mask.to(keep.device)[keep].to(device)
-        if labels is not None:
-            labels = labels.to(keep.device)[keep].to(device)
+
+        def kept(t: Tensor | None) -> Tensor | None:  # the real rows, on the model's device
+            return None if t is None else t.to(keep.device)[keep].to(device)
+
+        input_ids, attention_mask, unit_ids, row_weights, loss_mask, labels = (
+            kept(t) for t in (input_ids, attention_mask, unit_ids, row_weights, loss_mask, labels))
         n_rows = int(input_ids.shape[0])
         empty = torch.empty(0, device=device)
         if n_rows == 0:

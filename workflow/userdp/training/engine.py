@@ -441,16 +441,14 @@ class RunState:
         # Per-unit keyed draws: removing a user changes no other unit's draws (sampling.py)
         self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
         self.noise = GaussianNoise(mech.sigma, mech.clip_norm, seeds["noise"], device)
-        update_noise_std = self.noise.std / divisor  # per coordinate, in the privatised update (DP-AdamBC reads it)
         if optimizer is None:  # the pipeline's: training.optimizer, training.schedule
-            self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate,
-                                            update_noise_std)
+            self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate)
             self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
         else:  # the caller's own (userdp.make_private): its scheduler, if any, is stepped with it
             self.optimizer, self.scheduler = optimizer, scheduler
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Trainer's AcceleratedOptimizer wraps it
-        if isinstance(inner, AdamBC):
-            inner.bind_noise(update_noise_std)  # the plan's public sigma C / (q N)
+        if isinstance(inner, AdamBC):  # its noise: the per-coordinate std in the privatised update, sigma C / (q N)
+            inner.bind_noise(self.noise.std / divisor)
         self.private = mech.clip_norm is not None
         self.step, self.examples_processed, self.users_processed = 0, 0, 0
         self.rows: list[dict[str, Any]] = []

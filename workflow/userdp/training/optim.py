@@ -38,7 +38,8 @@ class AdamBC(torch.optim.Optimizer):
 
     Plain DP-Adam's v_hat estimates E[g^2] = signal^2 + Phi: the noise dominates the denominator and Adam
     degenerates to scaled DP-SGD; subtracting Phi restores Adam's per-coordinate scaling. noise_std None:
-    not known yet (make_private sets it from the plan: sigma C / (q N)). Post-processing: no privacy cost.
+    not known yet (the run binds it from the plan, sigma C / (q N): the pipeline, make_private and the
+    trainers do). Post-processing: no privacy cost.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -56,7 +57,7 @@ class AdamBC(torch.optim.Optimizer):
         """Take the run's per-coordinate update noise (the engine calls this); a different one set before is a
         ConfigError (the correction would subtract another variance than the noise's)."""
         noise_std = float(noise_std)
-        if self.noise_std is not None and abs(self.noise_std - noise_std) > 1e-9 * max(noise_std, 1e-12):
+        if self.noise_std is not None and not _same_noise(self.noise_std, noise_std):
             raise ConfigError(f"AdamBC.noise_std is {self.noise_std}, but the noise in this run's update has "
                               f"standard deviation {noise_std} (sigma C / q N of the plan): leave noise_std unset "
                               "(None) and the run sets it.")
@@ -96,14 +97,18 @@ class AdamBC(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
         saved = state_dict.pop("noise_std", None)
-        if saved is not None and self.noise_std is not None and abs(saved - self.noise_std) > 1e-12 * max(saved, 1):
+        if saved is not None and self.noise_std is not None and not _same_noise(saved, self.noise_std):
             raise ConfigError(f"AdamBC: the checkpoint's noise_std {saved} is not this run's {self.noise_std}; "
                               "resume with the same plan.")
         super().load_state_dict(state_dict)
 
 
-def _adam_bc(params: list[torch.nn.Parameter], lr: float, noise_std: float | None = None) -> torch.optim.Optimizer:
-    return AdamBC(params, lr=lr, noise_std=noise_std)
+def _same_noise(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12)
+
+
+def _adam_bc(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return AdamBC(params, lr=lr)  # its noise is the run's: engine.RunState binds it (AdamBC.bind_noise)
 
 
 def _sgd(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -119,14 +124,12 @@ def _adafactor(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optim
 
 #: training.optimizer: name -> factory(parameters, learning rate). The config
 #: schema's enum lists the same names (tests/test_registries.py checks).
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], float], torch.optim.Optimizer]] = {
     "adam": _adam,
     "adam_bc": _adam_bc,
     "sgd": _sgd,
     "adafactor": _adafactor,
 }
-#: The optimizers that read the noise of the privatised update (make_optimizer's noise_std).
-NOISE_AWARE = frozenset({"adam_bc"})
 
 
 def _constant(progress: float) -> float:
@@ -150,15 +153,11 @@ SCHEDULES: dict[str, Callable[[float], float]] = {
 }
 
 
-def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float,
-                   noise_std: float | None = None) -> torch.optim.Optimizer:
-    """Build the optimizer `name` (training.optimizer) with learning rate `lr`; noise_std: the per-coordinate
-    standard deviation of the noise in the privatised update, sigma C / (q N) (read by adam_bc only; None:
-    the run binds it, `AdamBC.bind_noise`)."""
+def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
+    """Build the optimizer `name` (training.optimizer) with learning rate `lr` (adam_bc's noise: bound by the
+    run, `AdamBC.bind_noise`)."""
     if name not in OPTIMIZERS:
         raise ConfigError(f"training.optimizer is {name!r}; allowed values: {list(OPTIMIZERS)}.")
-    if name in NOISE_AWARE:
-        return OPTIMIZERS[name](list(params), lr, noise_std)
     return OPTIMIZERS[name](list(params), lr)
 
 
