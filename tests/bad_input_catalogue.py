@@ -297,6 +297,32 @@ def write(rel: str, content: str | bytes) -> Callable[[Path], None]:
     return setup
 
 
+def gzip_file(rel: str) -> Callable[[Path], None]:
+    """Compress an existing file with gzip into `rel`.gz (the original removed)."""
+
+    def setup(folder: Path) -> None:
+        import gzip
+
+        p = folder / rel
+        (folder / f"{rel}.gz").write_bytes(gzip.compress(p.read_bytes()))
+        p.unlink()
+
+    return setup
+
+
+def saved_dataset_dict(rel: str) -> Callable[[Path], None]:
+    """A folder written by `datasets.DatasetDict.save_to_disk` with train and test splits."""
+
+    def setup(folder: Path) -> None:
+        import datasets
+
+        from builders import LOCAL_ROWS
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(LOCAL_ROWS),
+                              "test": datasets.Dataset.from_list(LOCAL_ROWS[:2])}).save_to_disk(str(folder / rel))
+
+    return setup
+
+
 def steps(*setups: Callable[[Path], None] | None) -> Callable[[Path], None]:
     def setup(folder: Path) -> None:
         for s in setups:
@@ -869,8 +895,10 @@ CASES: list[Case] = [
                 "datasets:\n  mine: {source: local, path: data/post.csv}\n",
                 "datasets.mine.path is data/post.csv, which does not exist",
                 setup=local_file("data/posts.csv", "csv"), kept=("data/posts.csv",)),
-    config_case("local-dataset-path-is-folder", "a local dataset whose path is a folder",
-                "datasets:\n  mine: {source: local, path: data}\n", "datasets.mine.path is data, which is not a file",
+    config_case("local-dataset-path-is-folder", "a local dataset whose path is a folder of CSV files (a folder must hold "
+                "Parquet files or be written by datasets' save_to_disk)",
+                "datasets:\n  mine: {source: local, path: data}\n",
+                "data (datasets.mine.path) is a folder without .parquet files",
                 setup=local_file("data/posts.csv", "csv"), kept=("data/posts.csv",)),
     config_case("local-column-key-typo", "`user_colum:` on a local dataset",
                 "datasets:\n  mine: {source: local, path: posts.csv, user_colum: author}\n",
@@ -942,15 +970,15 @@ CASES: list[Case] = [
               kept=("posts.jsonl",)),
     data_case("jsonl-mixed-id-types", "user ids that are integers on some lines and strings on others",
               local("posts.jsonl"), write("posts.jsonl", '{"user_id": 7, "text": "x"}\n{"user_id": "7", "text": "y"}\n'),
-              "line 2: user id '7' is a string, but line 1's is an integer", kept=("posts.jsonl",)),
+              "line 2: 'user_id' is a string ('7'), but line 1's is an integer", kept=("posts.jsonl",)),
     data_case("jsonl-null-user", "a JSON Lines row with `\"user_id\": null`", local("posts.jsonl"),
               write("posts.jsonl", '{"user_id": "a", "text": "x"}\n{"user_id": null, "text": "y"}\n'),
               "line 2 has a null user id in column 'user_id'", kept=("posts.jsonl",)),
     data_case("jsonl-float-user", "a JSON Lines user id that is a number with a fraction", local("posts.jsonl"),
-              write("posts.jsonl", '{"user_id": 1.5, "text": "x"}\n'), "line 1: 'user_id' is 1.5; user ids must be strings",
+              write("posts.jsonl", '{"user_id": 1.5, "text": "x"}\n'), "line 1, column 'user_id' holds double values (1.5); user ids must be strings",
               kept=("posts.jsonl",)),
     data_case("jsonl-text-number", "a JSON Lines text that is a number", local("posts.jsonl"),
-              write("posts.jsonl", '{"user_id": "a", "text": 42}\n'), "line 1: 'text' is a int, not a string",
+              write("posts.jsonl", '{"user_id": "a", "text": 42}\n'), "line 1, column 'text' holds int64 values (42), not text",
               kept=("posts.jsonl",)),
     data_case("jsonl-not-utf8", "a JSON Lines file in Latin-1", local("posts.jsonl"),
               write("posts.jsonl", '{"user_id": "a", "text": "ok"}\n{"user_id": "b", "text": "caf\xe9"}\n'.encode("latin-1")),
@@ -962,9 +990,9 @@ CASES: list[Case] = [
               write("posts.csv", "user_id,text\nalice,hi\n,orphan\n"), "has a empty user id", kept=("posts.csv",)),
     data_case("parquet-float-user-column", "a Parquet user column of floats (ids read as 1.0, 2.0)",
               local("posts.parquet"), parquet("posts.parquet", {"user_id": [1.0, 2.0], "text": ["x", "y"]}),
-              "column 'user_id' holds double; user ids must be strings or integers", kept=("posts.parquet",)),
+              "row 1, column 'user_id' holds double values (1.0); user ids must be strings or integers", kept=("posts.parquet",)),
     data_case("parquet-text-column-integers", "a Parquet text column of integers", local("posts.parquet"),
-              parquet("posts.parquet", {"user_id": ["a", "b"], "text": [1, 2]}), "column 'text' holds int64, not text",
+              parquet("posts.parquet", {"user_id": ["a", "b"], "text": [1, 2]}), "row 1, column 'text' holds int64 values (1), not text",
               kept=("posts.parquet",)),
     data_case("parquet-truncated", "a Parquet data file cut off halfway (an interrupted copy)", local("posts.parquet"),
               steps(local_file("posts.parquet", "parquet"), truncate("posts.parquet")), "not a valid Parquet file",
@@ -975,6 +1003,22 @@ CASES: list[Case] = [
     data_case("unknown-extension", "a data file with an extension the loader does not know (.txt)",
               local("posts.txt"), write("posts.txt", "alice\thello\n"), "datasets.mine.format is auto but the extension",
               kept=("posts.txt",)),
+    data_case("csv-wrong-separator", "`separator: ','` on a file separated by `;`", local("posts.csv", separator=","),
+              local_file("posts.csv", "csv", separator=";"),
+              "looks separated by ';': set datasets.mine.separator: \";\"", kept=("posts.csv",)),
+    data_case("gzip-truncated", "a .jsonl.gz data file cut off halfway (an interrupted download)",
+              local("posts.jsonl.gz"), steps(local_file("posts.jsonl.gz", "jsonl", compression="gzip"),
+                                              truncate("posts.jsonl.gz")),
+              "posts.jsonl.gz (datasets.mine, format jsonl): the gzip stream is damaged", kept=("posts.jsonl.gz",)),
+    data_case("parquet-gzipped", "a Parquet file compressed again with gzip (`.parquet.gz`)", local("posts.parquet.gz"),
+              steps(local_file("posts.parquet", "parquet"), gzip_file("posts.parquet")),
+              "Parquet compresses its own columns, so decompress the file", kept=("posts.parquet.gz",)),
+    data_case("save-to-disk-dataset-dict", "a `DatasetDict.save_to_disk` folder (splits) as a dataset's path",
+              local("saved"), saved_dataset_dict("saved"), "this is a DatasetDict with splits ['train', 'test']",
+              kept=("saved/dataset_dict.json",)),
+    data_case("save-to-disk-not-a-folder", "`format: save_to_disk` on a CSV file", local("posts.csv", format="save_to_disk"),
+              local_file("posts.csv", "csv"), "format save_to_disk reads the folder that datasets.Dataset.save_to_disk "
+              "wrote", kept=("posts.csv",)),
     data_case("csv-not-utf8", "a CSV file in Latin-1", local("posts.csv"),
               write("posts.csv", "user_id,text\nalice,ok\nbob,caf\xe9\n".encode("latin-1")),
               "line 3 (byte offset", kept=("posts.csv",)),

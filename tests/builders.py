@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import http.server
+import io
 import json
 import lzma
 import os
@@ -160,8 +161,14 @@ def build_local(
     fmt: str,
     rows: Sequence[dict] = LOCAL_ROWS,
     rename: dict[str, str] | None = None,
+    *,
+    separator: str = ",",
+    bom: bool = False,
+    compression: str | None = None,
 ) -> Path:
-    """Write `rows` as parquet/jsonl/csv; `rename` maps default column names to others."""
+    """Write `rows` as parquet/jsonl/csv/tsv or a `datasets` save_to_disk folder; `rename` maps default column
+    names to others. CSV: `separator`, a UTF-8 byte-order mark first (`bom`, as spreadsheets write it);
+    text formats: `compression` gzip/bz2/zstd/xz of the whole file (the name is the caller's)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rename = rename or {}
@@ -169,18 +176,40 @@ def build_local(
     columns = list(dict.fromkeys(k for r in rows for k in r))
     if fmt == "parquet":
         pq.write_table(pa.Table.from_pylist(rows), path)
-    elif fmt == "jsonl":
-        with open(path, "w", encoding="utf-8") as fh:
-            for r in rows:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    elif fmt == "csv":
-        with open(path, "w", encoding="utf-8", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=columns)
-            w.writeheader()
-            w.writerows(rows)
+        return path
+    if fmt == "save_to_disk":
+        import datasets
+
+        datasets.Dataset.from_list(list(rows)).save_to_disk(str(path))
+        return path
+    out = io.StringIO(newline="")
+    if fmt == "jsonl":
+        for r in rows:
+            out.write(json.dumps(r, ensure_ascii=False) + "\n")
+    elif fmt in ("csv", "tsv"):
+        w = csv.DictWriter(out, fieldnames=columns, delimiter="\t" if fmt == "tsv" else separator)
+        w.writeheader()
+        w.writerows(rows)
     else:
         raise ValueError(fmt)
+    data = ("\ufeff" if bom else "").encode() + out.getvalue().encode("utf-8")
+    path.write_bytes(compress(data, compression))
     return path
+
+
+def compress(data: bytes, compression: str | None) -> bytes:
+    """`data` compressed with gzip, bz2, zstd or xz (None: as it is)."""
+    import bz2
+    import gzip
+
+    if compression is None:
+        return data
+    if compression == "zstd":
+        sink = pa.BufferOutputStream()
+        with pa.output_stream(sink, compression="zstd") as fh:
+            fh.write(data)
+        return sink.getvalue().to_pybytes()
+    return {"gzip": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[compression](data)
 
 
 # ---------------------------------------------------------------- fortunes

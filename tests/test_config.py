@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -431,10 +433,15 @@ def test_local_dataset_path_is_checked_at_start_up(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"datasets\.mine\.path is data/posts\.csv, which does not exist"):
         validate_config({"datasets": {"mine": {"source": "local", "path": "data/posts.csv"}}})
     (tmp_path / "data").mkdir()
-    with pytest.raises(ConfigError, match=r"datasets\.mine\.path is data, which is not a file"):
+    with pytest.raises(ConfigError, match=r"data \(datasets\.mine\.path\) is a folder without \.parquet files"):
         validate_config({"datasets": {"mine": {"source": "local", "path": "data"}}})
     (tmp_path / "data" / "posts.csv").write_text("user_id,text\n1,a\n")
     validate_config({"datasets": {"mine": {"source": "local", "path": "data/posts.csv"}}})
+    with pytest.raises(ConfigError, match=r"posts\.csv \(datasets\.mine, format csv\): the file is empty"):
+        (tmp_path / "data" / "posts.csv").write_text("")
+        validate_config({"datasets": {"mine": {"source": "local", "path": "data/posts.csv"}}})
+    pq.write_table(pa.table({"user_id": ["1"], "text": ["a"]}), tmp_path / "data" / "p.parquet")
+    validate_config({"datasets": {"mine": {"source": "local", "path": "data"}}})  # a folder of Parquet files
 
 
 @pytest.mark.parametrize("section, key, value, where", [

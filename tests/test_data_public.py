@@ -137,7 +137,7 @@ def test_hub_route_streams_through_load_dataset(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"hub dataset 'allenai/c5'.*datasets\.so\.public.*loading failed"):
         list(bad.iter_public())
     nocol = open_source("so", {**spec, "public": {"hub_name": "allenai/c4", "text_column": "body"}}, tmp_path / "data")
-    with pytest.raises(DataError, match=r"no column 'body'; the columns found are \['text', 'timestamp', 'url'\]"):
+    with pytest.raises(DataError, match=r"missing column\(s\) \['body'\]; the dataset has columns \['text', 'timestamp', 'url'\]"):
         list(nocol.iter_public())
 
 
@@ -216,7 +216,7 @@ def test_tokenizer_public_dataset_may_name_a_dataset_with_a_public_key(tmp_path)
     [
         ({"path": "a.parquet", "colum": "x", "hub_nmae": "c4"},
          r"datasets\.so\.public\.colum, datasets\.so\.public\.hub_nmae: not a key of a public corpus; allowed keys: "
-         r"\['hub_config', 'hub_name', 'hub_split', 'max_examples', 'path', 'text_column'\]"),
+         r"\['format', 'hub_config', 'hub_name', 'hub_split', 'max_examples', 'path', 'separator', 'text_column'\]"),
         ({"path": "a.parquet", "hub_name": "allenai/c4"},
          r"datasets\.so\.public has both of datasets\.so\.public\.path and datasets\.so\.public\.hub_name"),
         ({"text_column": "text"},
@@ -249,18 +249,20 @@ def test_missing_file_and_folder_without_parquet(tmp_path):
 
 
 def test_unknown_extension(tmp_path):
-    path = tmp_path / "c4.tsv"
+    path = tmp_path / "c4.xlsx"
     path.write_text("text\nx\n")
-    with pytest.raises(ConfigError, match=r"datasets\.so\.public\.path is '.*c4\.tsv', whose extension \(\.tsv\) is "
-                                          r"not one of \['\.csv', '\.jsonl', '\.ndjson', '\.parquet', '\.pq', '\.txt'\]"):
+    with pytest.raises(ConfigError, match=r"datasets\.so\.public\.format is auto but the extension of .*c4\.xlsx "
+                                          r"\(\.xlsx\) is not one of \['\.csv', '\.jsonl', '\.ndjson', '\.parquet', "
+                                          r"'\.pq', '\.tab', '\.tsv', '\.txt'\]"):
         list(_corpus(tmp_path, path=str(path)).iter_batches())
 
 
 @pytest.mark.parametrize("fmt,ext", [("parquet", "parquet"), ("jsonl", "jsonl"), ("csv", "csv")])
 def test_missing_text_column_lists_the_columns_found(tmp_path, fmt, ext):
     path = build_local(tmp_path / f"c4.{ext}", fmt, _rows(column="body"))
-    with pytest.raises(DataError, match=rf"c4\.{ext} \(datasets\.so\.public\): no column 'text'; the columns found "
-                                        r"are \['body', 'url'\]\. Set datasets\.so\.public\.text_column"):
+    with pytest.raises(DataError, match=rf"c4\.{ext} \(datasets\.so\.public, format {fmt}\): missing column\(s\) "
+                                        r"\['text'\]; the file has columns \['url', 'body'\]\. Set "
+                                        r"datasets\.so\.public\.text_column"):
         list(_corpus(tmp_path, path=str(path)).iter_batches())
 
 
@@ -268,7 +270,8 @@ def test_missing_text_column_in_one_file_of_a_folder(tmp_path):
     (tmp_path / "c4").mkdir()
     pq.write_table(pa.table({"text": ["a"]}), tmp_path / "c4" / "a.parquet")
     pq.write_table(pa.table({"content": ["b"]}), tmp_path / "c4" / "b.parquet")
-    with pytest.raises(DataError, match=r"b\.parquet \(datasets\.so\.public\): no column 'text'.*\['content'\]"):
+    with pytest.raises(DataError, match=r"b\.parquet \(datasets\.so\.public, format parquet\): missing column\(s\) "
+                                        r"\['text'\].*\['content'\]"):
         list(_corpus(tmp_path, path=str(tmp_path / "c4")).iter_batches())
 
 
@@ -281,26 +284,30 @@ def test_no_rows_is_an_error_naming_the_key_and_file(tmp_path, fmt, ext):
         path.write_text("text\n")
     else:
         path.write_text("")
-    with pytest.raises(DataError, match=rf"empty\.{ext} \(datasets\.so\.public\): .*no rows"):
+    # a 0-byte file is refused as empty before any reading; a header or schema without rows has no rows
+    what = "the file is empty" if fmt in ("jsonl", "txt") else "no rows"
+    with pytest.raises(DataError, match=rf"empty\.{ext} \(datasets\.so\.public, format {fmt}\): .*{what}"):
         list(_corpus(tmp_path, path=str(path)).iter_batches())
 
 
 def test_bad_content(tmp_path):
     bad_utf8 = tmp_path / "latin1.txt"
     bad_utf8.write_bytes(b"fine\ncaf\xe9\n")
-    with pytest.raises(DataError, match=r"latin1\.txt \(datasets\.so\.public\): line 2 \(byte offset 8\) is not UTF-8"):
+    with pytest.raises(DataError, match=r"latin1\.txt \(datasets\.so\.public, format txt\): line 2 \(byte offset 8\) is not UTF-8"):
         list(_corpus(tmp_path, path=str(bad_utf8)).iter_batches())
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "ok"}\n{"text": \n')
-    with pytest.raises(DataError, match=r"bad\.jsonl \(datasets\.so\.public\): line 2 is not valid JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl \(datasets\.so\.public, format jsonl\): line 2 is not valid JSON"):
         list(_corpus(tmp_path, path=str(bad_json)).iter_batches())
     numbers = tmp_path / "n.parquet"
     pq.write_table(pa.table({"text": [1, 2]}), numbers)
-    with pytest.raises(DataError, match=r"n\.parquet \(datasets\.so\.public\): column 'text' holds int64, not text"):
+    with pytest.raises(DataError, match=r"n\.parquet \(datasets\.so\.public, format parquet\): row 1, column 'text' holds "
+                                         r"int64 values \(1\), not text"):
         list(_corpus(tmp_path, path=str(numbers)).iter_batches())
     not_parquet = tmp_path / "fake.parquet"
     not_parquet.write_text("text\nhello\n")
-    with pytest.raises(DataError, match=r"fake\.parquet \(datasets\.so\.public\): not a readable Parquet file"):
+    with pytest.raises(DataError, match=r"fake\.parquet \(datasets\.so\.public, format parquet\): not a valid Parquet "
+                                         r"file"):
         list(_corpus(tmp_path, path=str(not_parquet)).iter_batches())
 
 
@@ -315,12 +322,18 @@ include: "workflow/rules/data.smk"
 """
 
 
-@pytest.mark.integration
-def test_snakemake_builds_public_parquet_of_a_local_dataset_and_trains_the_tokenizer_on_it(tmp_path):
+def data_workflow(tmp_path: Path) -> Path:
+    """A working folder whose Snakefile has the data rules only (DATA_ONLY); the config goes in config/."""
     wd = tmp_path / "wf"
     (wd / "config").mkdir(parents=True)
     os.symlink(REPO / "workflow", wd / "workflow")
     (wd / "Snakefile").write_text(DATA_ONLY)
+    return wd
+
+
+@pytest.mark.integration
+def test_snakemake_builds_public_parquet_of_a_local_dataset_and_trains_the_tokenizer_on_it(tmp_path):
+    wd = data_workflow(tmp_path)
     private = build_local(tmp_path / "private.csv", "csv",
                           [{"user_id": f"u{i % 7}", "text": f"private note number {i}"} for i in range(40)])
     pub = tmp_path / "c4.jsonl"

@@ -8,7 +8,8 @@ import pytest
 
 from builders import LOCAL_ROWS, build_local
 from userdp.data.base import RAW_SCHEMA
-from userdp.data.local import find_bad_utf8, make_local
+from userdp.data.local import make_local
+from userdp.data.tables import find_bad_utf8
 from userdp.errors import ConfigError, DataError
 
 FORMATS = ["parquet", "jsonl", "csv"]
@@ -125,9 +126,14 @@ def test_find_bad_utf8_across_chunk_boundary(tmp_path):
     path = tmp_path / "x"
     # A valid 2-byte character split across chunks, then a bad byte on line 2.
     path.write_bytes(b"ab\xc3\xa9cd\nx\xff")
-    assert find_bad_utf8(path, chunk_bytes=3) == (8, 2)
+    with open(path, "rb") as fh:
+        assert find_bad_utf8(fh, chunk_bytes=3) == (8, 2)
+    path.write_bytes(b"a\n\n\xc3\xa9\n\xc3\xa9\xff")  # newlines in earlier chunks counted once
+    with open(path, "rb") as fh:
+        assert find_bad_utf8(fh, chunk_bytes=2) == (8, 4)
     path.write_bytes("é\n".encode() * 10)
-    assert find_bad_utf8(path, chunk_bytes=3) is None
+    with open(path, "rb") as fh:
+        assert find_bad_utf8(fh, chunk_bytes=3) is None
 
 
 def test_file_not_in_declared_format(tmp_path):
@@ -151,7 +157,7 @@ def test_malformed_csv_row(tmp_path):
 def test_wrong_value_types(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"user_id": "u", "text": 3}\n')
-    assert "line 1" in (msg := _read_error(_source(path))) and "'text' is a int" in msg
+    assert "line 1" in (msg := _read_error(_source(path))) and "'text' holds int64 values (3)" in msg
     path2 = tmp_path / "f.parquet"
     pq.write_table(pa.table({"user_id": [1.5], "text": ["x"]}), path2)
     assert "f.parquet" in (msg := _read_error(_source(path2))) and "user ids must be strings or integers" in msg

@@ -303,21 +303,28 @@ def _check_dataset_keys(config: dict, source: str) -> None:
 
 
 def _check_local_path(name: str, spec: dict, source: str) -> None:
-    """A local dataset's file must be given and exist before anything runs (not when its job starts).
+    """A local dataset's file or folder must be given, exist and be of a kind the reader reads before anything
+    runs (not when its job starts): userdp.data.tables.TableFile's format and check.
 
     Relative paths are relative to the working directory (Snakemake's --directory), as the loader reads them.
     """
+    from .data.local import FORMATS
+    from .data.tables import TableFile
+    from .errors import DataError
+
     path = spec.get("path")
     if not path:
-        raise ConfigError(f"{source}: datasets.{name}.path is required for source 'local': the Parquet, JSONL or "
-                          "CSV file with one row per example (config/README.md, 'Your own data').")
+        raise ConfigError(f"{source}: datasets.{name}.path is required for source 'local': the data file (Parquet, "
+                          "CSV, TSV, JSON Lines) or folder with one row per example (config/README.md, 'Your own "
+                          "data').")
     p = Path(str(path)).expanduser()
     if not p.exists():
         raise ConfigError(f"{source}: datasets.{name}.path is {path}, which does not exist (looked in "
                           f"{p.resolve()}); fix the path (relative paths start at the working directory).")
-    if not p.is_file():
-        raise ConfigError(f"{source}: datasets.{name}.path is {path}, which is not a file; point it at one "
-                          "Parquet, JSONL or CSV file.")
+    try:
+        TableFile(p, f"datasets.{name}", spec.get("format"), spec.get("separator"), FORMATS).check()
+    except (ConfigError, DataError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 # Files that come with a saved Hugging Face tokenizer.

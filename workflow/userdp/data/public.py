@@ -4,8 +4,10 @@ The study pretrains on C4 and fine-tunes on Stack Overflow / CC-News, so a
 dataset of any source can name its own public corpus:
 
     public:
-      path: /data/c4_subset.parquet   # .parquet/.pq | .jsonl/.ndjson | .csv | .txt, or a folder of Parquet files
+      path: /data/c4_subset.parquet   # a data file or folder, as for source local, or a .txt (one text per line)
       text_column: text                # default "text" (ignored for .txt: one text per line)
+      format: auto                     # or parquet, csv, tsv, jsonl, txt, save_to_disk
+      separator: null                  # a CSV's separator (null: found in the header)
       max_examples: 200000             # optional cap
     # or, instead of path:
       hub_name: allenai/c4             # datasets.load_dataset(hub_name, hub_config, split=hub_split, streaming=True)
@@ -18,9 +20,8 @@ come from here for every source; for `synthetic` and `fortunes` this REPLACES
 their built-in public part.
 
 Everything is streamed as PUBLIC_SCHEMA record batches of at most
-`batch_rows` texts: Parquet by row groups (only the text column), CSV with
-pyarrow's streaming reader, JSON Lines and text files line by line, the hub
-with `streaming=True` (nothing but the rows read is downloaded, so a
+`batch_rows` texts: local files by userdp.data.tables (the reader of local
+datasets too; only the text column is read), the hub with `streaming=True` (nothing but the rows read is downloaded, so a
 `max_examples` cap on C4 fetches only the first files). The `download_data`
 rule, a local rule, saves the streamed hub rows to
 `data/<name>/public_hub-<hash>.parquet`, which later rules read, so compute
@@ -41,22 +42,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
 
 from ..errors import ConfigError, DataError
-from ..io import ParquetBatchWriter, streaming_parquet
+from ..io import ParquetBatchWriter
 from .base import PUBLIC_SCHEMA
 from .spec_keys import check_nested_keys
+from .tables import TableFile, as_text
 
 log = logging.getLogger(__name__)
 
-PUBLIC_KEYS = ("path", "text_column", "max_examples", "hub_name", "hub_config", "hub_split")
-EXTENSIONS = {
-    ".parquet": "parquet", ".pq": "parquet",
-    ".jsonl": "jsonl", ".ndjson": "jsonl",
-    ".csv": "csv",
-    ".txt": "txt",
-}
+PUBLIC_KEYS = ("path", "text_column", "format", "separator", "max_examples", "hub_name", "hub_config", "hub_split")
 DEFAULT_TEXT_COLUMN = "text"
 DEFAULT_HUB_SPLIT = "train"
 
@@ -89,6 +84,10 @@ def check_public_spec(name: str, public: Any) -> dict:
         for key in ("hub_config", "hub_split"):
             if public.get(key) is not None:
                 raise ConfigError(f"{where}.{key} is only used with {where}.hub_name; remove it (path is set).")
+    else:
+        for key in ("format", "separator"):
+            if public.get(key) is not None:
+                raise ConfigError(f"{where}.{key} is only used with {where}.path; remove it (hub_name is set).")
     cap = public.get("max_examples")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ConfigError(f"{where}.max_examples is {cap!r}; it must be an integer >= 1 or null.")
@@ -98,6 +97,8 @@ def check_public_spec(name: str, public: Any) -> dict:
         "hub_config": public.get("hub_config"),
         "hub_split": public.get("hub_split") or DEFAULT_HUB_SPLIT,
         "text_column": public.get("text_column") or DEFAULT_TEXT_COLUMN,
+        "format": public.get("format") or "auto",
+        "separator": public.get("separator"),
         "max_examples": cap,
     }
 
@@ -115,6 +116,7 @@ class PublicCorpus:
         self.text_column = spec["text_column"]
         self.max_examples = spec["max_examples"]
         self.n_read = 0
+        self.table = None if self.path is None else TableFile(self.path, self.key, spec["format"], spec["separator"])
 
     # ---------------------------------------------------------------- naming
 
@@ -129,162 +131,26 @@ class PublicCorpus:
     def _err(self, what: str) -> DataError:
         return DataError(f"{self.where} ({self.key}): {what}")
 
-    def _missing_column(self, names: list[str], file: str | Path | None = None) -> DataError:
-        where = f"{file} ({self.key})" if file is not None else f"{self.where} ({self.key})"
-        return DataError(
-            f"{where}: no column {self.text_column!r}; the columns found are {sorted(names)}. "
-            f"Set {self.key}.text_column to the column that holds the text."
-        )
+    @property
+    def _fix(self) -> str:
+        return f"Set {self.key}.text_column to the column that holds the text."
+
+    def _missing_column(self, names: list[str]) -> DataError:
+        return DataError(f"{self.where} ({self.key}): missing column(s) [{self.text_column!r}]; the dataset has "
+                         f"columns {sorted(names)}. {self._fix}")
 
     # ---------------------------------------------------------------- checks
 
-    def format(self) -> str:
-        """`folder`, `parquet`, `jsonl`, `csv`, `txt` or `hub`; checks that a local path exists."""
-        if self.path is None:
-            return "hub"
-        if not self.path.exists():
-            raise DataError(f"{self.path} ({self.key}.path) does not exist; fix the path.")
-        if self.path.is_dir():
-            return "folder"
-        suffix = self.path.suffix.lower()
-        if suffix not in EXTENSIONS:
-            raise ConfigError(
-                f"{self.key}.path is {str(self.path)!r}, whose extension ({suffix or 'none'}) is not one of "
-                f"{sorted(EXTENSIONS)}; convert the file, rename it, or point {self.key}.path at a folder of "
-                "Parquet files."
-            )
-        return EXTENSIONS[suffix]
-
     def check(self) -> None:
-        """Fail early (in the download rule) on a missing file or an unknown extension."""
-        fmt = self.format()
-        if fmt == "folder":
-            self._parquet_files()
-
-    def _parquet_files(self) -> list[Path]:
-        assert self.path is not None
-        files = sorted(p for p in self.path.rglob("*") if p.is_file() and p.suffix.lower() in (".parquet", ".pq"))
-        if not files:
-            raise DataError(
-                f"{self.path} ({self.key}.path) is a folder without .parquet files; point it at a folder of "
-                "Parquet files or at one .parquet/.jsonl/.csv/.txt file."
-            )
-        return files
+        """Fail early (in the download rule) on a missing file, an unknown format or an empty folder."""
+        if self.table is not None:
+            self.table.check()
 
     # ---------------------------------------------------------------- readers
 
-    def _text_array(self, arr: pa.Array | pa.ChunkedArray, file: str | Path) -> pa.Array:
-        """The text column as `string`, from string/large_string/binary (checked UTF-8) columns."""
-        if isinstance(arr, pa.ChunkedArray):
-            arr = arr.combine_chunks()
-        t = arr.type
-        if pa.types.is_dictionary(t):
-            arr, t = arr.cast(t.value_type), t.value_type
-        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t) \
-                or pa.types.is_binary(t) or pa.types.is_large_binary(t):
-            try:
-                return arr.cast(pa.string())
-            except pa.ArrowInvalid as exc:
-                raise DataError(
-                    f"{file} ({self.key}): column {self.text_column!r} holds bytes that are not UTF-8 ({exc}); "
-                    "re-encode the text as UTF-8."
-                ) from exc
-        raise DataError(
-            f"{file} ({self.key}): column {self.text_column!r} holds {t}, not text; "
-            f"set {self.key}.text_column to the column with the text."
-        )
-
-    def _iter_parquet_file(self, path: Path, batch_rows: int, column: str | None = None) -> Iterator[pa.Array]:
-        column = column or self.text_column
-        try:
-            pf = streaming_parquet(path, artifact=False)
-        except (OSError, pa.ArrowException) as exc:
-            raise DataError(f"{path} ({self.key}): not a readable Parquet file ({exc}).") from exc
-        names = pf.schema_arrow.names
-        if column not in names:
-            raise self._missing_column(names, path)
-        try:
-            for batch in pf.iter_batches(batch_size=batch_rows, columns=[column]):
-                yield self._text_array(batch.column(0), path)
-        except (OSError, pa.ArrowException) as exc:
-            raise DataError(f"{path} ({self.key}): reading the Parquet file failed ({exc}).") from exc
-
-    def _iter_csv(self, batch_rows: int) -> Iterator[pa.Array]:
-        path = self.path
-        assert path is not None
-        try:
-            reader = pacsv.open_csv(
-                path,
-                # one block ~ batch_rows short texts; bounds memory per batch
-                read_options=pacsv.ReadOptions(block_size=max(1 << 20, min(batch_rows * 256, 64 << 20))),
-                parse_options=pacsv.ParseOptions(newlines_in_values=True),
-                convert_options=pacsv.ConvertOptions(column_types={self.text_column: pa.string()}),
-            )
-            if self.text_column not in reader.schema.names:
-                raise self._missing_column(reader.schema.names)
-            for batch in reader:
-                yield self._text_array(batch.column(self.text_column), path)
-        except DataError:
-            raise
-        except (OSError, pa.ArrowException) as exc:
-            if "empty" in str(exc).lower():
-                raise self._err("the file is empty; it needs a header line and rows.") from exc
-            raise self._err(f"not a valid UTF-8 CSV file: {exc}") from exc
-
-    def _iter_lines(self) -> Iterator[tuple[int, str]]:
-        """(1-based line number, line without its newline), UTF-8 checked."""
-        assert self.path is not None
-        offset = 0
-        with open(self.path, "rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
-                start, offset = offset, offset + len(raw)
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise self._err(
-                        f"line {lineno} (byte offset {start + exc.start}) is not UTF-8; re-encode the file as UTF-8."
-                    ) from exc
-                yield lineno, line.rstrip("\r\n")
-
-    def _iter_txt(self, batch_rows: int) -> Iterator[pa.Array]:
-        texts: list[str] = []
-        for _, line in self._iter_lines():
-            texts.append(line)  # an empty line is an empty text: dropped and counted downstream
-            if len(texts) >= batch_rows:
-                yield pa.array(texts, pa.string())
-                texts = []
-        if texts:
-            yield pa.array(texts, pa.string())
-
-    def _iter_jsonl(self, batch_rows: int) -> Iterator[pa.Array]:
-        texts: list[str | None] = []
-        first = True
-        for lineno, line in self._iter_lines():
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing one) carry no record
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise self._err(
-                    f"line {lineno} is not valid JSON ({exc.msg} at column {exc.colno}); JSON Lines needs one "
-                    "object per line."
-                ) from exc
-            if not isinstance(obj, dict):
-                raise self._err(f"line {lineno} holds a JSON {type(obj).__name__}, not an object.")
-            if self.text_column not in obj:
-                if first:
-                    raise self._missing_column(list(obj))
-                raise self._err(f"line {lineno} has no key {self.text_column!r} (keys: {sorted(obj)}).")
-            first = False
-            text = obj[self.text_column]
-            if text is not None and not isinstance(text, str):
-                raise self._err(f"line {lineno}: {self.text_column!r} is a {type(text).__name__}, not a string.")
-            texts.append(text)
-            if len(texts) >= batch_rows:
-                yield pa.array(texts, pa.string())
-                texts = []
-        if texts:
-            yield pa.array(texts, pa.string())
+    def _iter_table(self, table: TableFile, batch_rows: int, column: str) -> Iterator[pa.Array]:
+        for batch in table.batches([column], batch_rows, self._fix):
+            yield table.text(batch.table.column(0), column, batch.locate)
 
     def _load_hub(self) -> Any:
         """The hub dataset as a streaming `datasets.IterableDataset` (nothing downloaded up front)."""
@@ -315,7 +181,7 @@ class PublicCorpus:
                     batch = pa.Table.from_pydict(batch)
                 if self.text_column not in batch.column_names:
                     raise self._missing_column(batch.column_names)
-                yield self._text_array(batch.column(self.text_column), self.where)
+                yield as_text(batch.column(self.text_column), self.text_column, lambda i: f"row {i + 1}", self._err)
         except DataError:
             raise
         except Exception as exc:  # network errors, bad shards, ... while streaming
@@ -360,21 +226,9 @@ class PublicCorpus:
     def _iter_arrays(self, batch_rows: int) -> Iterator[pa.Array]:
         snap = self.snapshot_path()
         if snap is not None and snap.exists():  # downloaded by the download rule: no network needed
-            yield from self._iter_parquet_file(snap, batch_rows, column=PUBLIC_SCHEMA.names[0])
-            return
-        fmt = self.format()
-        if fmt == "folder":
-            for f in self._parquet_files():
-                yield from self._iter_parquet_file(f, batch_rows)
-        elif fmt == "parquet":
-            assert self.path is not None
-            yield from self._iter_parquet_file(self.path, batch_rows)
-        elif fmt == "csv":
-            yield from self._iter_csv(batch_rows)
-        elif fmt == "jsonl":
-            yield from self._iter_jsonl(batch_rows)
-        elif fmt == "txt":
-            yield from self._iter_txt(batch_rows)
+            yield from self._iter_table(TableFile(snap, self.key, "parquet"), batch_rows, PUBLIC_SCHEMA.names[0])
+        elif self.table is not None:
+            yield from self._iter_table(self.table, batch_rows, self.text_column)
         else:
             yield from self._iter_hub(batch_rows)
 
@@ -403,10 +257,10 @@ class PublicCorpus:
         finally:
             arrays.close()
         if self.n_read == 0:
-            raise self._err(
+            txt = self.table is not None and self.table.format == "txt"
+            raise (self.table.err if self.table is not None else self._err)(
                 "the public corpus has no rows; it needs at least one text"
-                + ("" if self.path is not None and self.format() == "txt" else f" in column {self.text_column!r}")
-                + "."
+                + ("" if txt else f" in column {self.text_column!r}") + "."
             )
         log.info("%s: read %d public texts from %s", self.name, self.n_read, self.where)
 

@@ -72,8 +72,8 @@ SOURCES: dict[str, SourceType] = {
         SourceType("cc_news", "cc_news.CCNewsSource",
                    frozenset({"path", "hub_name", "hub_split", "streaming", "include_title"})),
         SourceType("local", "local.LocalSource",
-                   frozenset({"path", "format", "user_column", "text_column", "messages_column", "prompt_column",
-                              "completion_column", "group_column"})),
+                   frozenset({"path", "format", "separator", "user_column", "text_column", "messages_column",
+                              "prompt_column", "completion_column", "group_column"})),
         SourceType("fortunes", "fortunes.FortunesSource", frozenset({"path"}), _always),
     )
 }
