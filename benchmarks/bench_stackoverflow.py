@@ -222,7 +222,7 @@ def ensure_sqlite(workdir: Path, n: int, seed: int) -> tuple[Path, dict, bool]:
     path = workdir / f"so_n{n}_s{seed}.sqlite"
     info_path = path.with_suffix(".json")
     workdir.mkdir(parents=True, exist_ok=True)
-    lock = open(workdir / ".lock", "w")  # noqa: SIM115
+    lock = open(workdir / ".lock", "w")
     _HELD.append(lock)  # keep it open (and locked) until the process exits
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -77,7 +77,7 @@ def tokens_table(n_users: int, vocab: int, seq: int, seed: int) -> pa.Table:
 def accountant() -> tuple[Callable[..., Any] | None, str]:
     """(calibrate, version) of the real accountant, or (None, reason) when dp-accounting is missing."""
     try:
-        import dp_accounting  # noqa: F401
+        import dp_accounting
 
         from userdp.privacy.calibration import calibrate
     except ImportError as exc:

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import mechanism_mutations as mm  # noqa: E402
-from userdp.evaluation import mechanism_audit as ma  # noqa: E402
+import mechanism_mutations as mm
+from userdp.evaluation import mechanism_audit as ma
 
 FULL = dict(group_size=4, sampling_rate=1.0, steps=4, delta=1e-6, clip_norm=1e-3, other_users=50,
             physical_batch_size=256)

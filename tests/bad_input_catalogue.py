@@ -156,7 +156,7 @@ def _capture(call: Callable[[], Any]) -> Outcome:
             status = rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
         except SystemExit as exc:
             status = _exit_status(exc.code)
-        except Exception:  # noqa: BLE001 - the point: anything but a clean exit is what the case reports
+        except Exception:
             traceback.print_exc(file=err)
             status = 1
     return Outcome(status, err.getvalue() + out.getvalue())

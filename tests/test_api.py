@@ -205,7 +205,7 @@ def test_all_matches_the_names_docs_api_lists():
     for name in userdp.__all__:
         assert getattr(userdp, name) is not None
     with pytest.raises(AttributeError):
-        userdp.no_such_name  # noqa: B018
+        userdp.no_such_name
 
 
 @pytest.mark.integration

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from userdp.errors import ConfigError  # noqa: F401  (the ceiling check's error type, used by the plan script)
+from userdp.errors import ConfigError
 from userdp.evaluation import audit, audit_targets
 
 
@@ -197,7 +197,6 @@ def test_the_claim_at_the_audit_delta_is_the_runs_accountant_there():
 
 
 def test_plan_time_check_uses_the_audit_delta_and_refuses_an_audit_that_can_show_nothing():
-    from userdp.errors import ConfigError
 
     section = {"canaries": 200, "confidence": 0.95, "guess_fractions": [0.05, 0.1, 0.2, 0.5], "delta": None}
     ceiling, warning = audit_targets.plan_time_check(section, 2.4e-5, dataset="d", method="uls", eps="1")

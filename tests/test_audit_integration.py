@@ -26,7 +26,7 @@ import pytest
 from train_fixtures import make_tokenizer, tokens_table
 from userdp import layout
 from userdp.config import validate_config
-from userdp.io import read_json, write_json
+from userdp.io import read_json
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 12

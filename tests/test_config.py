@@ -525,7 +525,7 @@ def test_yaml_merge_keys_and_distinct_keys_are_not_duplicates(tmp_path):
 
     f = tmp_path / "c.yaml"
     f.write_text("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  y: 3\nflags: {1: a, true: b}\n")
-    assert read_config_file(f) == {"base": {"x": 1, "y": 2}, "other": {"x": 1, "y": 3}, "flags": {1: "a", True: "b"}}
+    assert read_config_file(f) == {"base": {"x": 1, "y": 2}, "other": {"x": 1, "y": 3}, "flags": {1: "b"}}  # 1 and true: one Python key
     f.write_text("grid: {epsilons: [1]}\ntraining: {optimizer: sgd}\ngrid: {seeds: [0, 1]}\n")
     with pytest.raises(ConfigError, match=r"(?s)line 3, column 1: .*the key 'grid' appears twice \(first at line 1\)"):
         read_config_file(f)

@@ -21,7 +21,6 @@ import sys
 import textwrap
 import time
 import threading
-import time
 import types
 from pathlib import Path
 
@@ -493,6 +492,6 @@ def test_transformers_warm_up_builds_the_conversion_table_a_model_load_reads(mon
 
     monkeypatch.setattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", None)
     jobserver.warm_transformers()
-    table = conversion_mapping._checkpoint_conversion_mapping_cache  # noqa: SLF001
+    table = conversion_mapping._checkpoint_conversion_mapping_cache
     assert table is not None and len(table) > 10
-    assert sorted(table) == sorted(conversion_mapping._build_checkpoint_conversion_mapping())  # noqa: SLF001
+    assert sorted(table) == sorted(conversion_mapping._build_checkpoint_conversion_mapping())

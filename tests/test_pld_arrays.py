@@ -16,20 +16,20 @@ DELTAS = (1e-12, 1e-9, 1e-6, 8.53e-5, 1e-3, 0.05, 0.5, 0.999)
 
 
 def _library_pmf(loss, d):
-    return pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001
+    return pld_lib._create_pld_pmf_from_monotone_privacy_loss(
         loss, pessimistic_estimate=True, value_discretization_interval=d, use_connect_dots=True)
 
 
 def _same_pmf(ours, theirs):
     assert type(ours) is type(theirs)
-    assert ours._discretization == theirs._discretization  # noqa: SLF001
-    assert ours._infinity_mass == theirs._infinity_mass  # noqa: SLF001
+    assert ours._discretization == theirs._discretization
+    assert ours._infinity_mass == theirs._infinity_mass
     if isinstance(theirs, pld_pmf.DensePLDPmf):
-        assert ours._lower_loss == theirs._lower_loss  # noqa: SLF001
-        assert ours._probs.dtype == theirs._probs.dtype  # noqa: SLF001
-        assert np.array_equal(ours._probs, theirs._probs)  # noqa: SLF001
+        assert ours._lower_loss == theirs._lower_loss
+        assert ours._probs.dtype == theirs._probs.dtype
+        assert np.array_equal(ours._probs, theirs._probs)
     else:
-        assert ours._loss_probs == theirs._loss_probs  # noqa: SLF001
+        assert ours._loss_probs == theirs._loss_probs
 
 
 @pytest.mark.parametrize("sigma,sens,probs,d", [
@@ -100,7 +100,7 @@ def test_epsilon_for_delta_early_returns_and_edges():
                     pld_arrays._pmf_epsilon(pmf, delta)
                 raised.add(type(exc))
                 continue
-            assert pld_arrays._pmf_epsilon(pmf, delta) == theirs, (pmf._lower_loss, delta)  # noqa: SLF001
+            assert pld_arrays._pmf_epsilon(pmf, delta) == theirs, (pmf._lower_loss, delta)
             outcomes.add("inf" if theirs == math.inf else "zero" if theirs == 0 else "finite")
     assert raised == {OverflowError} and outcomes == {"inf", "zero", "finite"}
 
@@ -130,24 +130,24 @@ def test_epsilon_for_delta_reads_the_add_pmf_where_it_is_the_larger():
     for delta in DELTAS:
         theirs = pld.get_epsilon_for_delta(delta)
         assert pld_arrays.epsilon_for_delta(pld, delta) == theirs
-    assert pld_arrays._pmf_epsilon(large, 1e-3) > pld_arrays._pmf_epsilon(small, 1e-3)  # noqa: SLF001
+    assert pld_arrays._pmf_epsilon(large, 1e-3) > pld_arrays._pmf_epsilon(small, 1e-3)
 
 
 def test_epsilon_for_delta_numeric_edges_are_dp_accountings():
     pmf = _dense(-200, np.random.default_rng(3).dirichlet(np.ones(600)), 1e-7)
     for delta in (np.float32(1e-3), np.float64(1e-3), 1e-3, np.float32(0.05)):  # numpy 2 promotion: float64
-        assert pld_arrays._pmf_epsilon(pmf, delta) == pmf.get_epsilon_for_delta(delta)  # noqa: SLF001
+        assert pld_arrays._pmf_epsilon(pmf, delta) == pmf.get_epsilon_for_delta(delta)
     # the running ratio underflows to 0: dp-accounting's math.log raises, and so does ours
     tiny = _dense(-70900, [0.5, 0.5], 0.0)
     with pytest.raises(ValueError):
         tiny.get_epsilon_for_delta(0.5 - 2 ** -54)
     with pytest.raises(ValueError):
-        pld_arrays._pmf_epsilon(tiny, 0.5 - 2 ** -54)  # noqa: SLF001
+        pld_arrays._pmf_epsilon(tiny, 0.5 - 2 ** -54)
     # a NaN delta gives NaN in both
     under = _dense(80_000, [0.3, 0.7], 0.0)
     with np.errstate(all="ignore"):
         assert math.isnan(under.get_epsilon_for_delta(float("nan")))
-        assert math.isnan(pld_arrays._pmf_epsilon(under, float("nan")))  # noqa: SLF001
+        assert math.isnan(pld_arrays._pmf_epsilon(under, float("nan")))
 
 
 @pytest.mark.parametrize("points", [999, 1000, 1001])
@@ -169,7 +169,7 @@ def test_connect_dots_pmf_at_the_sparse_limit(points):
 def test_dense_connect_dots_takes_rises_within_dp_accountings_tolerance():
     deltas = np.linspace(0.5, 0.0, 2000)
     deltas[700] = deltas[699] + 5e-13  # a rise below dp-accounting's 1e-12 tolerance: accepted, then flattened
-    ours = pld_arrays._dense_connect_dots(1e-3, -1000, 999, deltas)  # noqa: SLF001
+    ours = pld_arrays._dense_connect_dots(1e-3, -1000, 999, deltas)
     theirs = pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(1e-3, -1000, 999, deltas)
     _same_pmf(ours, theirs)
 

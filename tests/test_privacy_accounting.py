@@ -10,6 +10,7 @@ import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
 from userdp.errors import PrivacyError
+from userdp.privacy import _dp_accounting_compat as compat
 from userdp.privacy import accounting as A
 
 from privacy_helpers import epsilon_of
@@ -224,7 +225,7 @@ def _pmfs_for_bounds():
             p[n // 2] = 1.0
         out.append(p / p.sum())
     pld = A.mixture_gaussian_pld(0.9, [0.0, 1.0, 2.0], [0.8, 0.15, 0.05], 1e-3)
-    out += [pmf._probs for pmf in A._pmfs(pld)]  # noqa: SLF001
+    out += [compat.dense_parts(pmf).probs for pmf in compat.pld_pmfs(pld)]
     return out
 
 

@@ -5,7 +5,6 @@ import math
 import pytest
 
 from userdp.errors import PrivacyError
-from userdp.privacy import accounting as A
 from userdp.privacy.calibration import initial_guess
 
 from privacy_helpers import calibrate_method, epsilon_of, mech

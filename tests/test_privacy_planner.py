@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from userdp.errors import ConfigError, PrivacyError
-from userdp.privacy import accounting as A
 from userdp.privacy.contributions import ExactCounts, clipping_survival
 from userdp.privacy.group_size import snr_group_size
 

@@ -1,6 +1,5 @@
 """The released model's guarantee: learning-rate selection composed, per run, or by random stopping (RDP)."""
 
-import dataclasses
 import math
 
 import dp_accounting

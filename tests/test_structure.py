@@ -13,6 +13,10 @@
    config (`snakemake.config`), so what a job reads is in its rule's params
    (a rerun trigger, or `untracked`: userdp.rule_params), input, output,
    wildcards, threads and resources.
+5. No module of the library names a private attribute of dp-accounting or
+   Snakemake, but userdp/privacy/_dp_accounting_compat.py (behind its version
+   guard); ruff's SLF001 (pyproject.toml, run by .ci/run) flags every other
+   private access, and the few the library keeps are listed here.
 """
 
 from __future__ import annotations
@@ -115,8 +119,7 @@ def test_pin_parser_catches_a_mismatch():
 
 #: Rank of each stage, low to high. A module may import its own stage or lower
 #: ones. The base modules sit below every stage and import none of them.
-BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "code_version", "workers", "rule_params", "jobserver",
-                "scheduling")
+BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "code_version", "workers", "rule_params", "jobserver")
 #: Top level: they may import every stage. config validates the whole config, so it reads each stage's
 #: declarations (the data-source registry, the run settings); no stage imports it. snakemake_args is the
 #: command line of `userdp run` (it starts the workflow); api, private_training (make_private), trainer
@@ -435,3 +438,123 @@ ok = sm.params.config, snakemake.params.untracked["training"], other.config
 """
     hits = config_reads(source, "s.py")
     assert [h.split(":")[1] for h in hits] == ["4", "5", "6", "7"], hits
+
+
+# ---------------------------------------------------------------------------- 5. private names of libraries
+
+PRIVATE_LIBRARIES = ("dp_accounting", "snakemake")
+COMPAT_MODULE = "userdp/privacy/_dp_accounting_compat.py"
+#: `noqa: SLF001` lines the library keeps outside the compat module, per file: torch's in-place version counter
+#: (clipping), argparse's list of actions (snakemake_args), the interpreter's exit hooks and the calling frame
+#: (the fork server). None reaches into dp-accounting or Snakemake.
+SLF001_KEPT = {"userdp/training/clipping.py": 2, "userdp/snakemake_args.py": 1, "userdp/jobserver.py": 3}
+
+
+#: namedtuple's public methods, underscored so as not to clash with field names
+NAMEDTUPLE_API = ("_asdict", "_fields", "_replace", "_make", "_field_defaults")
+
+
+#: (module, name) of the private getattr lookups the library keeps: transformers' checkpointing function.
+GETATTR_KEPT = {("userdp/training/clipping.py", "_gradient_checkpointing_func")}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) \
+        and name not in NAMEDTUPLE_API
+
+
+def private_library_references(source: str, filename: str = "<module>") -> list[str]:
+    """file:line of each private name of PRIVATE_LIBRARIES a module's source reaches.
+
+    Counted: a private module or name imported from them (`from dp_accounting.pld import _x`,
+    `dp_accounting._x`), a private attribute of a name bound by such an import (`pld_pmf._MAX`), and
+    `getattr`/`setattr`/`hasattr` with a private constant name (`getattr(scheduler, "_open_jobs")`: the object
+    may come from them), but for GETATTR_KEPT.
+    """
+    tree = ast.parse(source, filename=filename)
+    aliases: set[str] = set()
+    hits: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in PRIVATE_LIBRARIES:
+                    aliases.add(a.asname or a.name.split(".")[0])
+                    if any(_private(part) for part in a.name.split(".")):
+                        hits.append((node.lineno, f"import {a.name}"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] in PRIVATE_LIBRARIES:
+            for a in node.names:
+                aliases.add(a.asname or a.name)
+                if _private(a.name) or any(_private(part) for part in node.module.split(".")):
+                    hits.append((node.lineno, f"from {node.module} import {a.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in aliases:
+                hits.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) \
+                and _private(node.args[1].value) and (filename, node.args[1].value) not in GETATTR_KEPT:
+            hits.append((node.lineno, ast.unparse(node)))
+    return [f"{filename}:{line}: {text}" for line, text in sorted(set(hits))]
+
+
+def _library_sources() -> list[tuple[str, str]]:
+    files = [*PACKAGE_DIR.rglob("*.py"), *SCRIPTS_DIR.glob("*.py"), *(ROOT / "workflow" / "rules").glob("*.smk"),
+             ROOT / "Snakefile"]
+    return [(str(p.relative_to(ROOT / "workflow") if p.is_relative_to(PACKAGE_DIR) else p.relative_to(ROOT)),
+             p.read_text(encoding="utf-8")) for p in sorted(files)]
+
+
+def test_no_private_dp_accounting_or_snakemake_name_outside_the_compat_module():
+    hits = []
+    for name, source in _library_sources():
+        if name == COMPAT_MODULE:
+            continue
+        if name.endswith(".smk") or name == "Snakefile":  # Snakemake's own syntax: look at the Python lines
+            source = "\n".join(line for line in source.splitlines()
+                               if line.strip().startswith(("import ", "from ")) or "._" in line)
+            try:
+                ast.parse(source)
+            except SyntaxError:
+                hits += [f"{name}: {line.strip()}" for line in source.splitlines() if "._" in line]
+                continue
+        hits += private_library_references(source, name)
+    assert not hits, ("private names of dp-accounting or Snakemake outside " + COMPAT_MODULE + ":\n"
+                      + "\n".join(hits))
+
+
+def test_private_accesses_are_kept_where_listed():
+    counts = {}
+    for name, source in _library_sources():
+        n = source.count("noqa: SLF001")
+        if n:
+            counts[name] = n
+    assert counts == SLF001_KEPT
+    ruff = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
+    assert "SLF001" in ruff["select"]
+    exempt = sorted(f for f, rules in ruff["per-file-ignores"].items() if "SLF001" in rules)
+    assert exempt == ["benchmarks/**", "tests/**", "workflow/" + COMPAT_MODULE]
+
+
+def test_the_private_name_check_can_fail():
+    source = """
+import dp_accounting
+from dp_accounting.pld import pld_pmf
+from dp_accounting.pld import _hidden
+from snakemake.scheduling import job_scheduler as js
+x = pld_pmf._MAX_PMF_SPARSE_SIZE
+y = dp_accounting.pld._private.thing
+z = getattr(scheduler, "_schedule_reevalutation")
+ok = pld_pmf.DensePLDPmf, obj._own, getattr(x, "__name__"), self._x
+"""
+    hits = private_library_references(source, "m.py")
+    assert [h.split(":")[1] for h in hits] == ["4", "6", "7", "8"], hits
+    from userdp.privacy import _dp_accounting_compat as compat
+
+    with pytest.raises(Exception, match=r"dp-accounting 0\.7\.0 is installed.*pip install dp-accounting==0\.6\.0"):
+        compat.check_version("0.7.0")
+    assert compat.check_version() == compat.VERSION == "0.6.0"

@@ -11,7 +11,6 @@ runs the two-process case of the neighbouring-dataset replay
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 

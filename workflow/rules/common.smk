@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test's Snakefile includes only this
 
-from userdp import jobserver, layout, scheduling
+from userdp import jobserver, layout
 from userdp.config import validate_config
 from userdp.privacy import memo
 from userdp.errors import ConfigError
@@ -36,8 +36,6 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # local run (not -n, --touch, --lint or a remote executor); USERDP_JOB_SERVER="" turns it off. Same results.
 onstart:
     jobserver.start_for_workflow(workflow, layout.LOG_JOBSERVER)
-    # one pending re-evaluation timer in snakemake's scheduler, not one more per finished job (userdp.scheduling)
-    scheduling.coalesce_reevaluations(getattr(workflow, "scheduler", None))
 
 
 onsuccess:

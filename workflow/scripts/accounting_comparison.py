@@ -2,18 +2,18 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp.errors
 import userdp.io
 import userdp.logutil
 from userdp.privacy.comparison import noise_vs_group_size
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     c = sm.params.comparison
     df = noise_vs_group_size(
         float(c["sampling_rate"]),

@@ -7,17 +7,17 @@ from its params (each cell's steps).
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from userdp.errors import run_main
 from userdp.evaluation.aggregate import build_summary, write_summary
 from userdp.logutil import setup_logging
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     config = {"grid": {"budgets": list(sm.params.budgets)}}  # what build_summary reads of the config
     summary, curves = build_summary(config, {name: list(files) for name, files in sm.input.items()})
     write_summary(summary, curves, sm.output.parquet, sm.output.csv, sm.output.curves)

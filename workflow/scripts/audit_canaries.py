@@ -2,7 +2,7 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp.errors
 import userdp.logutil
@@ -10,11 +10,11 @@ from userdp.data import canaries as canaries_lib
 from userdp.io import streaming_parquet, write_parquet
 from userdp.seeding import derive_seed
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     p = dict(sm.params.canaries)
     spec = canaries_lib.CanarySpec(int(p["canaries"]), int(p["examples_per_canary"]), int(p["secret_length"]),
                                    int(p["seed"]), str(p["canary_design"]), int(p["prefix_length"]),

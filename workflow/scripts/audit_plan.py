@@ -12,7 +12,7 @@ calibrated for the k runs composed).
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp
 import userdp.errors
@@ -24,11 +24,11 @@ from userdp.evaluation.audit_targets import grid_delta, plan_time_check
 from userdp.privacy.planner import read_train_token_counts
 from userdp.privacy.selection import Selection
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     w = sm.wildcards
     inputs = {k: str(v) for k, v in sm.input.items()}
     counts = read_train_token_counts(inputs["tokens"])

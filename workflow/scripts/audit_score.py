@@ -6,7 +6,7 @@ empirical epsilon lower bound) next to the claimed epsilon of the run ledger.
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import os
 
@@ -17,11 +17,11 @@ import userdp.logutil
 from userdp.evaluation import audit
 from userdp.io import read_json
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     torch.set_num_threads(max(1, int(sm.threads)))
     untracked = sm.params.untracked
     result = audit.audit_cell(

@@ -2,18 +2,18 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import audit
 from userdp.io import atomic_path, read_json, write_parquet
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     df = audit.summary_rows([read_json(p) for p in sm.input.results])
     write_parquet(sm.output.summary, df)
     with atomic_path(sm.output.csv) as tmp:

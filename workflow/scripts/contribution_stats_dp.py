@@ -2,7 +2,7 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp.errors
 import userdp.io
@@ -10,11 +10,11 @@ import userdp.logutil
 from userdp.privacy.contribution_stats import release_for_dataset
 from userdp.privacy.planner import read_counts
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     inputs = {k: str(v) for k, v in sm.input.items()}
     counts, source = read_counts(users=inputs.get("users"), tokens=inputs.get("tokens"))
     record = release_for_dataset(counts, dict(sm.params.settings), int(sm.params.seed),

@@ -7,7 +7,7 @@ submit host, which usually is the one with internet access.
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import platform
 import time
@@ -17,16 +17,16 @@ import userdp.logutil
 from userdp.data.sources import open_job_source
 from userdp.io import write_json
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    name = snakemake.wildcards.dataset  # noqa: F821
-    source, spec = open_job_source(snakemake)  # noqa: F821
+    name = snakemake.wildcards.dataset
+    source, spec = open_job_source(snakemake)
     start = time.monotonic()
     source.download()
     log.info("dataset %s (source %s): download step done in %.1fs", name, spec.get("source"), time.monotonic() - start)
-    write_json(snakemake.output[0], {"dataset": name, "spec": spec, "host": platform.node(),  # noqa: F821
+    write_json(snakemake.output[0], {"dataset": name, "spec": spec, "host": platform.node(),
                                      "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 

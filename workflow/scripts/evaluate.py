@@ -9,7 +9,7 @@ users.parquet). The Parquet files hold each test user's scores.
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from pathlib import Path
 
@@ -24,11 +24,11 @@ from userdp.layout import EVAL, EVAL_USERS, RUN_MODEL
 from userdp.logutil import setup_logging
 from userdp.training.targets import sweep_runs
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     torch.set_num_threads(max(1, int(sm.threads)))
     p = sm.params
     pretrained = hasattr(p, "learning_rate")  # rule evaluate_pretrained: one model, no learning rate

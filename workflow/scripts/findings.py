@@ -2,17 +2,17 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from userdp.errors import run_main
 from userdp.evaluation.findings_job import run
 from userdp.logutil import setup_logging
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     result = run(dict(sm.params.items()), list(sm.input.summaries), list(sm.input.pretrained), sm.input.comparison,
                  sm.input.mean_estimation, sm.output.json, sm.output.csv,
                  audit_results=list(getattr(sm.input, "audit_results", [])),

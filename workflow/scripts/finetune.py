@@ -10,7 +10,7 @@ userdp.training.distributed.
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp.errors
 import userdp.logutil
@@ -18,11 +18,11 @@ from userdp.training import finetune_job
 from userdp.layout import LEDGER
 from userdp.training.targets import finetune_config, sweep_runs
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     p = sm.params
     config = finetune_config(p.settings, p.untracked, p.learning_rates)
     w = sm.wildcards

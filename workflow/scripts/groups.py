@@ -2,17 +2,17 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from userdp.errors import run_main
 from userdp.evaluation import groups
 from userdp.logutil import setup_logging
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     groups.run(
         sm.wildcards.dataset,
         list(sm.input.cells),

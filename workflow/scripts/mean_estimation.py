@@ -7,7 +7,7 @@ learning rate, tuning and report seeds).
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import time
 

@@ -6,7 +6,7 @@ spec needs but the calibration does not read), writes results/mean_estimation/ca
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from userdp.errors import run_main
 from userdp.experiments import mean_estimation as me

@@ -2,7 +2,7 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp
 import userdp.errors
@@ -13,11 +13,11 @@ from userdp.layout import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
 from userdp.privacy.planner import read_counts
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     w = sm.wildcards
     inputs = {k: str(v) for k, v in sm.input.items()}
     counts, source = read_counts(users=inputs.get("users"), tokens=inputs.get("tokens"))

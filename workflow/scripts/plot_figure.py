@@ -6,17 +6,17 @@ userdp.plotting.registry; this adapter only passes Snakemake's files on.
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from userdp.errors import run_main
 from userdp.logutil import setup_logging
 from userdp.plotting.registry import figure_of_rule
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     figure = figure_of_rule(sm.rule)
     figure.draw(dict(sm.input.items()), sm.output.png, sm.output.pdf,
                 dataset=getattr(sm.wildcards, "dataset", None), **dict(sm.params.items()))

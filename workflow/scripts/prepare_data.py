@@ -2,7 +2,7 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from pathlib import Path
 
@@ -13,17 +13,17 @@ import userdp.logutil
 from userdp.data.sources import open_job_source
 from userdp.data.prepare import prepare_dataset
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    pa.set_cpu_count(max(1, int(snakemake.threads)))  # noqa: F821
-    name = snakemake.wildcards.dataset  # noqa: F821
-    seed = int(snakemake.params.seed)  # noqa: F821
-    source, spec = open_job_source(snakemake)  # noqa: F821
-    out_dir = Path(snakemake.output.contributions).parent  # noqa: F821
-    private = bool(snakemake.params.contribution_stats_private)  # noqa: F821
-    batch_rows = int(snakemake.params.untracked["tokenizer"]["batch_rows"])  # noqa: F821
+    pa.set_cpu_count(max(1, int(snakemake.threads)))
+    name = snakemake.wildcards.dataset
+    seed = int(snakemake.params.seed)
+    source, spec = open_job_source(snakemake)
+    out_dir = Path(snakemake.output.contributions).parent
+    private = bool(snakemake.params.contribution_stats_private)
+    batch_rows = int(snakemake.params.untracked["tokenizer"]["batch_rows"])
     stats = prepare_dataset(source, name, spec, out_dir, seed, batch_rows=batch_rows, private_stats=private)
     if private:  # only the public sizes (userdp.data.prepare.public_view)
         log.info("dataset %s: users %s", name, stats["n_users"])

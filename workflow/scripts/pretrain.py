@@ -2,7 +2,7 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from pathlib import Path
 
@@ -13,15 +13,15 @@ import userdp.logutil
 from userdp.training.pretrain import pretrain
 from userdp.training.targets import pretrain_config
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    config = pretrain_config(snakemake.params.settings)  # noqa: F821
-    torch.set_num_threads(int(snakemake.threads))  # noqa: F821
-    public = snakemake.input.get("public")  # noqa: F821
-    out_dir = Path(snakemake.output.model).parent  # noqa: F821
-    info = pretrain(config, Path(snakemake.input.tokenizer).parent, public, out_dir)  # noqa: F821
+    config = pretrain_config(snakemake.params.settings)
+    torch.set_num_threads(int(snakemake.threads))
+    public = snakemake.input.get("public")
+    out_dir = Path(snakemake.output.model).parent
+    info = pretrain(config, Path(snakemake.input.tokenizer).parent, public, out_dir)
     log.info("pretrained model written to %s: %s", out_dir, info)
 
 

@@ -7,7 +7,7 @@ validation users; the best is released into the cell folder
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp.errors
 import userdp.logutil
@@ -15,11 +15,11 @@ from userdp.evaluation import random_stopping
 from userdp.layout import cell_of_dir
 from userdp.privacy.spec import RunSpec
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     p = sm.params
     config = random_stopping.job_config(p.settings, p.untracked, list(p.learning_rates), p.max_users)
     plan = str(sm.input.plan)

@@ -7,17 +7,17 @@ with the columns training.debug_step_log allows).
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 from userdp.errors import run_main
 from userdp.evaluation.select import select_cell
 from userdp.logutil import setup_logging
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+log = setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    sm = snakemake  # noqa: F821
+    sm = snakemake
     select_cell(
         learning_rates=list(sm.params.learning_rates),
         eval_paths=list(sm.input.evals),

@@ -17,33 +17,33 @@ def main() -> None:
 
     from userdp.privacy.targets import stats_private
 
-    public = snakemake.rule == "tokenize_public"  # noqa: F821
+    public = snakemake.rule == "tokenize_public"
     fn = tokenize_public if public else tokenize_examples
     # With DP contribution statistics the row and token counts of the private examples are not logged
     # (docs/privacy.md, "What is treated as public"); an untracked param: a log changes no result.
-    untracked = snakemake.params.untracked  # noqa: F821
+    untracked = snakemake.params.untracked
     private_counts = not public and stats_private(untracked)
     info = fn(
-        snakemake.input.examples,  # noqa: F821
-        Path(snakemake.input.tokenizer).parent,  # noqa: F821
-        snakemake.output[0],  # noqa: F821
-        int(snakemake.params.sequence_length),  # noqa: F821
-        snakemake.params.long_examples,  # noqa: F821
+        snakemake.input.examples,
+        Path(snakemake.input.tokenizer).parent,
+        snakemake.output[0],
+        int(snakemake.params.sequence_length),
+        snakemake.params.long_examples,
         batch_rows=int(untracked["tokenizer"]["batch_rows"]),
-        threads=int(snakemake.threads),  # noqa: F821
+        threads=int(snakemake.threads),
         **({"log_rows": False} if private_counts else {}),
     )
     if private_counts:
         info = {k: info[k] for k in ("sequence_length", "long_examples")}
-    log.info("wrote %s: %s", snakemake.output[0], info)  # noqa: F821
+    log.info("wrote %s: %s", snakemake.output[0], info)
 
 
 if __name__ == "__main__":
     from userdp.jobserver import delegate
 
-    delegate(snakemake)  # noqa: F821 (in the guard: spawned workers import this file without `snakemake`)
-    log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+    delegate(snakemake)
+    log = userdp.logutil.setup_logging(snakemake.log[0])
     # Rayon threads of the in-process path (one batch, or threads = 1); worker
     # processes set their own (one each).
-    os.environ.setdefault("RAYON_NUM_THREADS", str(snakemake.threads))  # noqa: F821
+    os.environ.setdefault("RAYON_NUM_THREADS", str(snakemake.threads))
     userdp.errors.run_main(main, log)

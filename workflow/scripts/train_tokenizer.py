@@ -2,7 +2,7 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import os
 from pathlib import Path
@@ -10,21 +10,21 @@ from pathlib import Path
 import userdp.errors
 import userdp.logutil
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
-os.environ.setdefault("RAYON_NUM_THREADS", str(snakemake.threads))  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
+os.environ.setdefault("RAYON_NUM_THREADS", str(snakemake.threads))
 
-from userdp.data.tokenize import load_named, train_bpe  # noqa: E402
+from userdp.data.tokenize import load_named, train_bpe
 
 
 def main() -> None:
-    out_dir = Path(snakemake.output.tokenizer).parent  # noqa: F821
-    name = snakemake.params.name  # noqa: F821
+    out_dir = Path(snakemake.output.tokenizer).parent
+    name = snakemake.params.name
     if name:
         info = load_named(name, out_dir)
     else:
         # Only the public corpus is an input of this rule: never private text.
-        info = train_bpe(snakemake.input.public, int(snakemake.params.vocab_size), out_dir,  # noqa: F821
-                         batch_rows=int(snakemake.params.untracked["tokenizer"]["batch_rows"]))  # noqa: F821
+        info = train_bpe(snakemake.input.public, int(snakemake.params.vocab_size), out_dir,
+                         batch_rows=int(snakemake.params.untracked["tokenizer"]["batch_rows"]))
     log.info("tokenizer written to %s: %s", out_dir, info)
 
 

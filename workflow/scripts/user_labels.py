@@ -2,20 +2,20 @@
 
 from userdp.jobserver import delegate
 
-delegate(snakemake)  # noqa: F821 (runs this job in the job fork server if there is one: userdp.jobserver)
+delegate(snakemake)
 
 import userdp.errors
 import userdp.logutil
 from userdp.data.labels import write_labels
 from userdp.data.sources import open_job_source
 
-log = userdp.logutil.setup_logging(snakemake.log[0])  # noqa: F821
+log = userdp.logutil.setup_logging(snakemake.log[0])
 
 
 def main() -> None:
-    name = snakemake.wildcards.dataset  # noqa: F821
-    source, _ = open_job_source(snakemake)  # noqa: F821
-    n = write_labels(source, snakemake.output[0], int(snakemake.params.untracked["tokenizer"]["batch_rows"]))  # noqa: F821
+    name = snakemake.wildcards.dataset
+    source, _ = open_job_source(snakemake)
+    n = write_labels(source, snakemake.output[0], int(snakemake.params.untracked["tokenizer"]["batch_rows"]))
     log.info("dataset %s: %d users labelled", name, n)
 
 

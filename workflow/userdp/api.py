@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import numbers
 import os
 import shutil

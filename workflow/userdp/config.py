@@ -570,7 +570,7 @@ def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     try:
         with open(path, encoding="utf-8") as fh:
-            config = yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+            config = yaml.load(fh, Loader=_UniqueKeyLoader)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except UnicodeDecodeError as exc:

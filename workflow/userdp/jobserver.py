@@ -26,7 +26,6 @@ server imports the preload list by name.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import select
@@ -181,7 +180,7 @@ def delegate(snakemake_obj, script: str | None = None) -> None:
     if not path or snakemake_obj is None:
         return
     if script is None:
-        script = sys._getframe(1).f_globals.get("__file__")
+        script = sys._getframe(1).f_globals.get("__file__")  # noqa: SLF001 - the calling script
         if not script:
             return
     sock = _connect(path)
@@ -290,23 +289,23 @@ def preload(modules: list[str], log) -> list[str]:
             done.append(name)
         except ImportError:
             pass  # `from pkg import function` names no module
-        except Exception as exc:  # noqa: BLE001 (a module that fails here fails in the job, with its message)
+        except Exception as exc:
             log(f"preload {name} failed: {type(exc).__name__}: {exc}")
     for mod, attr in PRELOAD_ATTRIBUTES:
         if mod in sys.modules:
             try:
                 getattr(sys.modules[mod], attr)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log(f"preload {mod}.{attr} failed: {type(exc).__name__}: {exc}")
     if "matplotlib" in sys.modules:
         try:
             warm_matplotlib()
-        except Exception as exc:  # noqa: BLE001 (a figure job that fails the same way says why)
+        except Exception as exc:
             log(f"matplotlib warm-up failed: {type(exc).__name__}: {exc}")
     if "transformers" in sys.modules:
         try:
             warm_transformers()
-        except Exception as exc:  # noqa: BLE001 (a model load that fails the same way says why)
+        except Exception as exc:
             log(f"transformers warm-up failed: {type(exc).__name__}: {exc}")
     return done
 
@@ -598,7 +597,7 @@ def run_job(request: dict, fds: list[int], conn: socket.socket) -> None:
         sys.path[:] = request["path"]
         _fresh_process_state()
         code = _run_script(request)
-    except BaseException:  # noqa: BLE001 (the set-up failed: say so where the job's stderr goes)
+    except BaseException:
         import traceback
 
         traceback.print_exc()
@@ -660,7 +659,7 @@ def _run_script(request: dict) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         return 130
-    except BaseException:  # noqa: BLE001 (as the interpreter does with an uncaught exception)
+    except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
     _finish(threading, atexit)
@@ -671,7 +670,7 @@ def _finish(threading, atexit) -> None:
     """Interpreter shutdown, as far as a job can see it: wait for non-daemon threads, run atexit."""
     try:
         threading._shutdown()  # noqa: SLF001 (what Py_FinalizeEx calls)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     atexit._run_exitfuncs()  # noqa: SLF001
 
@@ -695,7 +694,6 @@ def start(log_path: str | None = None, modules: list[str] | None = None, wait_s:
     `ENV` is "" (turned off) or the server did not come up (jobs then run in their own processes)."""
     global _server
     import atexit
-    import shutil
     import subprocess
     import tempfile
 

@@ -290,19 +290,19 @@ class Cell:
     def eps_text(self) -> str:
         return fmt_num(self.epsilon)
 
-    def _wildcards(self) -> dict[str, str | int]:
+    def wildcards(self) -> dict[str, str | int]:
         return {"dataset": self.dataset, "method": self.method, "eps": self.eps_text, "budget": self.compute,
                 "seed": self.seed, "group": self.group_size or 0}
 
     @property
     def plan_path(self) -> str:
         """The plan this cell trains with (PLAN, or GROUP_PLAN for a G-sweep cell)."""
-        return (GROUP_PLAN if self.group_size else PLAN).format(**self._wildcards())
+        return (GROUP_PLAN if self.group_size else PLAN).format(**self.wildcards())
 
     @property
     def cell(self) -> str:
         """The cell's folder below RUNS: the `{cell}` wildcard of CELL_DIR (CELL or GROUP_CELL formatted)."""
-        return (GROUP_CELL if self.group_size else CELL).format(**self._wildcards())
+        return (GROUP_CELL if self.group_size else CELL).format(**self.wildcards())
 
     @property
     def run_dir(self) -> str:
@@ -416,7 +416,7 @@ def audit_learning_rate(config: Mapping) -> float:
 
 def audit_wildcards(cell: Cell, config: Mapping) -> dict[str, str | int]:
     """The wildcards of an audited cell's AUDIT_* paths (lr: the audit's learning rate)."""
-    return {**cell._wildcards(), "lr": fmt_num(audit_learning_rate(config))}
+    return {**cell.wildcards(), "lr": fmt_num(audit_learning_rate(config))}
 
 
 # ---------------------------------------------------------------- canonical params

@@ -86,7 +86,7 @@ class _CountSteps(TrainerCallback):
         self.trainer = trainer
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._complete_step()
+        self.trainer.complete_dp_step()
 
 
 def check_arguments(args: Any) -> None:
@@ -217,15 +217,15 @@ class UserDPTrainer(Trainer):
             raise RuntimeError(f"Trainer is at step {ticket} but the DP state at step {dp.steps_done}: resume from a "
                                "checkpoint with its userdp_state.pt.")
         model.train()
-        self._pending = dp._run.privatize()
+        self._pending = dp.engine_run.privatize()
         sums = self._pending.sums
         return torch.tensor(sums.loss_sum / sums.n_rows if sums.n_rows else float("nan"), device=self.args.device)
 
-    def _complete_step(self) -> None:
+    def complete_dp_step(self) -> None:
         if self._pending is None:  # pragma: no cover - Trainer steps the optimizer only after a training_step
             raise RuntimeError("an optimizer step without a DP step")
         pending, self._pending = self._pending, None
-        self._dp._run.complete(pending)
+        self._dp.engine_run.complete(pending)
 
     # ------------------------------------------------------------------ logs, checkpoints, release
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -282,7 +282,7 @@ class UserDPTrainer(Trainer):
         from .training import engine
 
         folder = Path(output_dir or self.args.output_dir)
-        engine.write_records(self._dp._run, folder)
+        engine.write_records(self._dp.engine_run, folder)
         self.spec.write(folder / PLAN_FILE)
 
     # ------------------------------------------------------------------ evaluation

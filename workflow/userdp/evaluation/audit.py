@@ -42,10 +42,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
 import scipy.stats
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SCORES = ("loss", "likelihood_ratio")
 FPR_TARGET = 0.01

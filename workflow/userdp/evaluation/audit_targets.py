@@ -10,13 +10,16 @@ included canaries (layout.AUDIT_TOKENS). Paths are layout's AUDIT_* templates.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .. import layout
 from ..data.canaries import resolved_secret_length
 from ..layout import sorted_dict
 from ..privacy import targets as plan_targets
 from ..training import targets as train_targets
+
+if TYPE_CHECKING:
+    from ..rule_params import Untracked
 
 
 def audited_datasets(config: Mapping) -> list[str]:

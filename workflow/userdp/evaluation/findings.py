@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -197,7 +197,9 @@ def _method_claims(grid: Grid, domain: str, axis: str, diversity: Mapping, unit:
         why = "the grid has no private ELS and ULS cells"
         return [_not_measured(i, domain, why) for i in (1, 2, 3, 4)]
     e0, k_lo, k_hi = eps[0], budgets[0], budgets[-1]
-    where_txt = lambda **w: ", ".join(f"{k} = {_fmt(v) if isinstance(v, float) else v}" for k, v in w.items())
+
+    def where_txt(**w: Any) -> str:
+        return ", ".join(f"{k} = {_fmt(v) if isinstance(v, float) else v}" for k, v in w.items())
 
     # 1: ULS - ELS at the smallest epsilon and the largest budget, averaged over the axis (datasets / diversity).
     terms = [t for u in units for t in (_diff(grid, epsilon=e0, budget=k_hi, **{axis: u}) or [])]

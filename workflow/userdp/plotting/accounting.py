@@ -5,11 +5,11 @@ from __future__ import annotations
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from ..io import read_frame  # noqa: E402
-from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES  # noqa: E402
-from .output import save_figure  # noqa: E402
+from ..io import read_frame
+from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES
+from .output import save_figure
 
 STYLE = {
     "els": {"color": "tab:blue", "marker": "o", "linestyle": "-"},

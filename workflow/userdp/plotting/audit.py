@@ -17,12 +17,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
 
-from .lm import SHORT, _method_order, _style  # noqa: E402
+from .lm import SHORT, _method_order, _style
 
 EMPIRICAL_LABEL = "user-level ε lower bound, 95% (filled: (ε, δ); hollow: f-DP)"
 CLAIMED_LABEL = "claimed ε of the audited run (ledger)"

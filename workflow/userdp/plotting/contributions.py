@@ -14,11 +14,11 @@ import matplotlib
 import matplotlib.ticker
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from ..io import read_json  # noqa: E402
-from .output import save_figure  # noqa: E402
+from ..io import read_json
+from .output import save_figure
 
 
 def plot_contributions(stats_path: str | Path, png: str | Path, pdf: str | Path | None = None, dataset: str | None = None,

@@ -20,13 +20,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
 
-from ..evaluation.groups import GROUP_COLUMNS, users_group_size  # noqa: E402
-from .lm import METHODS, SHORT, _eps_label, _legend_below, epsilon_footnote, seeds_footnote  # noqa: E402
+from ..evaluation.groups import GROUP_COLUMNS, users_group_size
+from .lm import METHODS, SHORT, _eps_label, _legend_below, epsilon_footnote, seeds_footnote
 
 COST_LABEL = "cost of privacy: loss − non-private loss\n(nats/token, mean over the group's test users)"
 GAP_LABEL = "user's loss − non-private loss (nats/token)"

@@ -21,14 +21,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-from ..evaluation.findings import CellStats, contrast  # noqa: E402
-from ..privacy import seed_secrecy  # noqa: E402
+from ..evaluation.findings import CellStats, contrast
+from ..privacy import seed_secrecy
 
 METHODS = {
     "els": {"color": "tab:blue", "marker": "o", "linestyle": "-", "label": "DP-SGD-ELS (example-level sampling)"},
@@ -377,10 +377,10 @@ def footnote(fig: Figure, text: str) -> None:
     """
     from matplotlib.transforms import ScaledTranslation
 
-    line = len(getattr(fig, "_userdp_footnotes", []))
+    line = len(getattr(fig, "userdp_footnotes", []))
     offset = ScaledTranslation(0, (2 + 10 * line) / 72, fig.dpi_scale_trans)
     fig.text(0.005, 1.0, text, fontsize=6.5, color="0.3", ha="left", va="bottom", transform=fig.transFigure + offset)
-    fig._userdp_footnotes = [*getattr(fig, "_userdp_footnotes", []), text]
+    fig.userdp_footnotes = [*getattr(fig, "userdp_footnotes", []), text]
 
 
 DERIVED_SEEDS_NOTE = f"privacy.secret_seeds: {seed_secrecy.DERIVED_CAVEAT}"

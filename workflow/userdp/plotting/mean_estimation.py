@@ -15,11 +15,11 @@ from typing import Callable
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-from .output import save_figure  # noqa: E402
+from .output import save_figure
 
 STYLE = {
     "els": dict(color="#1f77b4", marker="o", label="DP-SGD-ELS (G = median)"),

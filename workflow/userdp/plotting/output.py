@@ -9,9 +9,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on cluster nodes or CI
 
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from ..io import atomic_path  # noqa: E402
+from ..io import atomic_path
 
 
 def save_figure(fig: "matplotlib.figure.Figure", *paths: str | os.PathLike, dpi: int = 150) -> None:

@@ -42,6 +42,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
 
 from ..errors import AccountingLimitError, PrivacyError
+from . import _dp_accounting_compat as compat
 from . import memo
 from .pld_arrays import connect_dots_pmf, epsilon_for_delta
 
@@ -235,7 +236,7 @@ class _FastMixtureGaussianPrivacyLoss(plm.MixtureGaussianPrivacyLoss):
             return deltas
         return np.maximum.accumulate(deltas[::-1])[::-1].copy()
 
-    def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):  # noqa: D401
+    def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):
         losses = np.asarray(privacy_losses, dtype=float)
         if losses.size == 0:
             return []
@@ -378,13 +379,9 @@ def _grid_points(loss: plm.AdditiveNoisePrivacyLoss, discretization: float) -> i
     return int(span) if math.isfinite(span) else MAX_PLD_POINTS + 1
 
 
-def _pmfs(pld: pld_lib.PrivacyLossDistribution) -> list:
-    return [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
-
-
 def pld_points(pld: pld_lib.PrivacyLossDistribution) -> int:
     """Grid points of the larger of a PLD's two PMFs."""
-    return max(int(pmf.size) for pmf in _pmfs(pld))
+    return max(int(pmf.size) for pmf in compat.pld_pmfs(pld))
 
 
 def check_pld_size(points: int, what: str, discretization: float) -> None:
@@ -501,7 +498,7 @@ def _preflight_composition(sigma: float, sens: list, probs: list, steps: int, di
         return
     coarse_d = discretization * math.ceil(points / PREFLIGHT_POINTS)
     coarse = mixture_gaussian_pld(sigma, sens, probs, coarse_d, what)
-    length = max(_self_convolve_length(pmf._probs, steps)[2] for pmf in _pmfs(coarse))  # noqa: SLF001
+    length = max(_self_convolve_length(compat.dense_parts(pmf).probs, steps)[2] for pmf in compat.pld_pmfs(coarse))
     check_pld_size(int(length * coarse_d / discretization), f"{what}, composed {steps} times (estimated)",
                    discretization)
 
@@ -516,15 +513,16 @@ def _self_compose_pmf(pmf, steps: int, what: str, discretization: float):
     """
     if not isinstance(pmf, pld_pmf.DensePLDPmf):
         return pmf.self_compose(steps, TAIL_MASS_TRUNCATION)  # sparse PMFs are small dictionaries
-    probs = pmf._probs  # noqa: SLF001
+    parts = compat.dense_parts(pmf)
+    probs = parts.probs
     lo, hi, fast_len = _self_convolve_length(probs, steps)
     output_len = hi - lo + 1
     check_pld_size(int(fast_len), f"{what}, composed {steps} times", discretization)
     convolution = np.real(fft.ifft(fft.fft(probs, fast_len) ** steps))
     out = np.roll(convolution, -lo)[:output_len]
-    inf_prob = TAIL_MASS_TRUNCATION - math.expm1(steps * math.log1p(-pmf._infinity_mass))  # noqa: SLF001
-    return pld_pmf.DensePLDPmf(pmf._discretization, pmf._lower_loss * steps + lo, np.array(out), inf_prob,  # noqa: SLF001
-                               pmf._pessimistic_estimate)  # noqa: SLF001
+    inf_prob = TAIL_MASS_TRUNCATION - math.expm1(steps * math.log1p(-parts.infinity_mass))
+    return pld_pmf.DensePLDPmf(parts.discretization, parts.lower_loss * steps + lo, np.array(out), inf_prob,
+                               parts.pessimistic_estimate)
 
 
 def _compose(step_pld: pld_lib.PrivacyLossDistribution, steps: int, discretization: float, what: str):
@@ -532,7 +530,7 @@ def _compose(step_pld: pld_lib.PrivacyLossDistribution, steps: int, discretizati
     steps = int(steps)
     if steps <= 0:
         raise ValueError(f"num_times should be >= 1, num_times={steps}")
-    pmfs = [_self_compose_pmf(pmf, steps, what, discretization) for pmf in _pmfs(step_pld)]
+    pmfs = [_self_compose_pmf(pmf, steps, what, discretization) for pmf in compat.pld_pmfs(step_pld)]
     identity = pld_lib.identity(value_discretization_interval=discretization)
     return identity.compose(pld_lib.PrivacyLossDistribution(*pmfs))
 

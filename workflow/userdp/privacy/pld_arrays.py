@@ -31,10 +31,12 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
 
-# dp-accounting's own thresholds (0.6.0): dictionaries of at most this many losses become sparse PMFs, and
-# deltas may rise by this much between neighbouring grid points before the connect-the-dots input is refused.
-_MAX_SPARSE = pld_pmf._MAX_PMF_SPARSE_SIZE  # noqa: SLF001
-_DELTA_DIFF_TOLERANCE = pld_pmf._DELTA_DIFF_TOLERANCE  # noqa: SLF001
+from . import _dp_accounting_compat as compat
+
+# dp-accounting's own thresholds: dictionaries of at most this many losses become sparse PMFs, and deltas may
+# rise by this much between neighbouring grid points before the connect-the-dots input is refused.
+_MAX_SPARSE = compat.MAX_PMF_SPARSE_SIZE
+_DELTA_DIFF_TOLERANCE = compat.DELTA_DIFF_TOLERANCE
 #: exp(x) is finite for x up to ~709.78; terms with -loss above this are not computed here.
 _EXP_SAFE = 709.0
 
@@ -48,18 +50,13 @@ def connect_dots_pmf(loss: plm.MonotonePrivacyLoss, discretization: float) -> pl
     """
     bounds = loss.connect_dots_bounds()
     if loss.is_discrete or bounds.epsilon_upper is None or bounds.epsilon_lower is None:
-        return _library_pmf(loss, discretization)
+        return compat.library_connect_dots_pmf(loss, discretization)
     upper = math.ceil(bounds.epsilon_upper / discretization)
     lower = math.floor(bounds.epsilon_lower / discretization)
     if upper - lower + 1 <= _MAX_SPARSE:
-        return _library_pmf(loss, discretization)
+        return compat.library_connect_dots_pmf(loss, discretization)
     deltas = loss.get_delta_for_epsilon(np.arange(lower, upper + 1) * discretization)
     return _dense_connect_dots(discretization, lower, upper, deltas)
-
-
-def _library_pmf(loss, discretization: float) -> pld_pmf.PLDPmf:
-    return pld_lib._create_pld_pmf_from_monotone_privacy_loss(  # noqa: SLF001
-        loss, pessimistic_estimate=True, value_discretization_interval=discretization, use_connect_dots=True)
 
 
 def _dense_connect_dots(discretization: float, lower: int, upper: int, deltas) -> pld_pmf.DensePLDPmf:
@@ -87,27 +84,24 @@ def _dense_connect_dots(discretization: float, lower: int, upper: int, deltas) -
 
 def epsilon_for_delta(pld: pld_lib.PrivacyLossDistribution, delta: float) -> float:
     """`pld.get_epsilon_for_delta(delta)`, the same number (the larger of the remove and add epsilons)."""
-    eps_remove = _pmf_epsilon(pld._pmf_remove, delta)  # noqa: SLF001
-    if pld._symmetric:  # noqa: SLF001
-        return eps_remove
-    return max(eps_remove, _pmf_epsilon(pld._pmf_add, delta))  # noqa: SLF001
+    return max(_pmf_epsilon(pmf, delta) for pmf in compat.pld_pmfs(pld))
 
 
 def _pmf_epsilon(pmf: pld_pmf.PLDPmf, delta: float) -> float:
     """`pmf.get_epsilon_for_delta(delta)` of a dense float64 PMF without the Python loop; others as they are."""
-    probs = getattr(pmf, "_probs", None)
-    if not isinstance(pmf, pld_pmf.DensePLDPmf) or not isinstance(probs, np.ndarray) or probs.ndim != 1 \
-            or probs.dtype != np.float64 or probs.size < 2:
+    probs = compat.dense_probs(pmf)
+    if not isinstance(probs, np.ndarray) or probs.ndim != 1 or probs.dtype != np.float64 or probs.size < 2:
         return pmf.get_epsilon_for_delta(delta)
-    infinity_mass = pmf._infinity_mass  # noqa: SLF001
+    parts = compat.dense_parts(pmf)
+    infinity_mass = parts.infinity_mass
     if infinity_mass > delta:
         return math.inf
-    d = pmf._discretization  # noqa: SLF001
+    d = parts.discretization
     n = probs.size
     p = probs[::-1]  # the losses from the largest down, as dp-accounting walks them
     # dp-accounting's losses come from itertools.count(upper, -d): each is the previous plus -d
     steps = np.full(n, -d)
-    steps[0] = (pmf._lower_loss + n - 1) * d  # noqa: SLF001
+    steps[0] = (parts.lower_loss + n - 1) * d
     losses = np.add.accumulate(steps)
     # the two running sums before step i (index i) and after the last (index n)
     upper = np.empty(n + 1)

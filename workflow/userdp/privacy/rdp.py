@@ -33,6 +33,7 @@ import dp_accounting
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from ..errors import AccountingLimitError, PrivacyError
+from . import _dp_accounting_compat as compat
 from . import accounting
 from .mechanism import Mechanism
 
@@ -130,8 +131,8 @@ def _rdp_of(event: dp_accounting.DpEvent, orders: Sequence[float]) -> np.ndarray
         sens, probs = accounting.prune_mixture(event.sensitivities, event.sampling_probs)
         return mog_rdp(event.standard_deviation, sens, probs, orders)
     if isinstance(event, dp_accounting.dp_event.RepeatAndSelectDpEvent):
-        return np.asarray(rdp_lib._compute_rdp_repeat_and_select(list(orders), list(_rdp_of(event.event, orders)),
-                                                                 float(event.mean), float(event.shape)))
+        return compat.rdp_repeat_and_select(list(orders), list(_rdp_of(event.event, orders)), float(event.mean),
+                                            float(event.shape))
     acc = rdp_lib.RdpAccountant(list(orders))
     if not acc.supports(event):
         raise PrivacyError(f"the RDP accountant cannot account for {event!r}.")

@@ -189,9 +189,9 @@ class Selection:
         """
         if self.mode != "random_stopping":
             raise PrivacyError(f"the number of runs is random only under random_stopping, not {self.mode}.")
-        from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+        from ._dp_accounting_compat import gamma_truncated_negative_binomial
 
-        return float(rdp_lib._gamma_truncated_negative_binomial(float(self.shape), float(self.mean_runs)))
+        return gamma_truncated_negative_binomial(float(self.shape), float(self.mean_runs))
 
     def _pmf(self) -> Iterator[float]:
         """P[K = 1], P[K = 2], ... of the number of runs (Papernot & Steinke 2022, section 2), without end."""

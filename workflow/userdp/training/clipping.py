@@ -366,14 +366,14 @@ class ClippedGradients:
             # nothing trainable upstream (e.g. the input embedding): make this output a graph input
             output.requires_grad_(True)
         x = x.detach()
-        version = x._version
+        version = x._version  # noqa: SLF001 - torch's in-place version counter, as autograd checks it
         output.register_hook(functools.partial(self._on_grad, uses, module, x, version, fix_g))
         return replaced
 
     def _on_grad(self, uses: list[_Use], module: nn.Module, x: Tensor, version: int,
                  fix_g: Callable[[Tensor], Tensor] | None, g: Tensor) -> None:
         """Turn (layer input, output gradient) into per-parameter records, or reduce them at once."""
-        if x._version != version:
+        if x._version != version:  # noqa: SLF001 - see _forward_hook
             raise RuntimeError(f"DP clipping: the input of {type(module).__name__} was modified in place after "
                                "the layer ran; its per-unit gradients would be wrong")
         layout = self._layout

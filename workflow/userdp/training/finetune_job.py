@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, Preempted, run_main
+from ..errors import Preempted, run_main
 from ..layout import EVAL, RUN_MODEL
 from ..privacy import seed_secrecy
 from ..privacy.spec import RunSpec

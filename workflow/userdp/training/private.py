@@ -148,6 +148,11 @@ class PrivateTraining:
 
     # ------------------------------------------------------------------ views
     @property
+    def engine_run(self) -> "engine.Run":
+        """The engine's run (state, context, step): what UserDPTrainer drives one step at a time."""
+        return self._run
+
+    @property
     def spec(self) -> RunSpec:
         """The plan: method, epsilon, delta, group_size G, sampling_rate q, steps T, noise_multiplier, clip_norm."""
         return self._run.ctx.spec
