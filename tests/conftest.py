@@ -40,7 +40,7 @@ PIPELINE_MODULES = ("snakemake", "userdp", "torch.distributed.run", "torch.distr
 PIPELINE_PROGRAMS = ("snakemake", "userdp", "torchrun")
 
 #: Probes any test may run: snakemake's SLURM executor plugin runs them when snakemake's command-line parser is
-#: built, which `userdp run` does in the test process to read snakemake's options (userdp.snakemake_args).
+#: built, which `userdp run` does in the test process to read its arguments (userdp.snakemake_args).
 PROBES = (("which",), ("scontrol", "show", "config"))
 
 _running: dict[str, pytest.Item | None] = {"item": None}  # the test whose setup, call or teardown runs now

@@ -445,9 +445,9 @@ ok = sm.params.config, snakemake.params.untracked["training"], other.config
 PRIVATE_LIBRARIES = ("dp_accounting", "snakemake")
 COMPAT_MODULE = "userdp/privacy/_dp_accounting_compat.py"
 #: `noqa: SLF001` lines the library keeps outside the compat module, per file: torch's in-place version counter
-#: (clipping), argparse's list of actions (snakemake_args), the interpreter's exit hooks and the calling frame
+#: (clipping), the interpreter's exit hooks and the calling frame
 #: (the fork server). None reaches into dp-accounting or Snakemake.
-SLF001_KEPT = {"userdp/training/clipping.py": 2, "userdp/snakemake_args.py": 1, "userdp/jobserver.py": 3}
+SLF001_KEPT = {"userdp/training/clipping.py": 2, "userdp/jobserver.py": 3}
 
 
 #: namedtuple's public methods, underscored so as not to clash with field names

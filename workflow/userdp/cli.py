@@ -133,13 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--default", default=None, help="the default config they override (default: the repository's "
                    "config/config.yaml; 'none': check the files alone, merged, as with --replace-workflow-config)")
     r = sub.add_parser(
-        "run", help="run snakemake with these arguments, config files checked first and targets put before "
-        "--configfile (which would read them as config files)",
+        "run", help="run snakemake with these arguments, the config files checked first",
         description="Run snakemake (this Python's `-m snakemake`, in the current folder) with the arguments "
         "given, after checking the config files as check-config does (a mistake stops here, naming the file, "
-        "key and line). The arguments are snakemake's, in any order: targets written after --configfile, "
-        "--config and snakemake's other options that take several values are moved before them "
-        "(userdp.snakemake_args). Exits with snakemake's status, 2 for a bad config file.",
+        "key and line). A target written after --configfile or --config, which snakemake would read as one "
+        "of their values, stops here too, saying how to write it: targets first, or --configfile=FILE "
+        "(userdp.snakemake_args). Exits with snakemake's status, 2 for a bad config file or command line.",
         usage="userdp run [snakemake arguments ...]",
     )
     r.add_argument("snakemake_args", nargs="*", metavar="ARG", help="snakemake's arguments, e.g. --cores 2 "
@@ -184,27 +183,28 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _run(argv: Sequence[str]) -> int:
-    """`userdp run`: check the config files, reorder the arguments, run snakemake and return its status."""
-    from .snakemake_args import order_args, run_snakemake
+    """`userdp run`: check the command line and the config files, run snakemake and return its status."""
+    from .snakemake_args import INFO_ARGS, parse, run_snakemake, swallowed_targets
 
-    call = order_args(argv)
-    if not {"help", "version"} & call.given:
+    if not INFO_ARGS & set(argv):
+        try:
+            call = parse(argv)
+        except SystemExit as exc:  # snakemake's parser printed its message
+            return int(exc.code or 0)
         try:
             from snakemake.cli import parse_config
 
+            swallowed_targets(call)
             try:
-                overrides = parse_config(call.config)
+                overrides = parse_config(call.config or [])
             except ValueError as exc:
                 raise UserError(f"--config {' '.join(call.config)}: {exc}") from None
-            default = "none" if "replace_workflow_config" in call.given else None
-            _checked_config(call.configfiles, default, overrides)
+            default = "none" if call.replace_workflow_config else None
+            _checked_config([str(f) for f in call.configfile or []], default, overrides)
         except UserError as exc:
             print(f"userdp run: error: {exc}", file=sys.stderr)
             return 2
-    if call.moved:
-        print(f"userdp run: targets {call.moved} moved before the options that would read them as values",
-              file=sys.stderr)
-    return run_snakemake(call.argv)
+    return run_snakemake(argv)
 
 
 def _export_merged(args: argparse.Namespace) -> int:
