@@ -12,13 +12,6 @@ quiet (`uptime` before and after).
     .venv/bin/python benchmarks/profile_pipeline.py   # this run, per rule
     .venv/bin/python benchmarks/profile_pipeline.py --log AFTER.log --baseline BEFORE.log --root-baseline DIR
 
-Jobs run by the job fork server (userdp.jobserver; every local run) do their work in a process the benchmark
-file does not see (its CPU column is the waiting client's, ~0): their CPU seconds come from the server's log,
-`results/logs/jobserver.log` under the run's root (--jobserver-log), which has each job's rule, start, end and
-CPU; a job there is matched to the snakemake log's job of the same rule that started within a few seconds.
-A rule whose CPU came from the server's log in one run and from benchmark files in the other (a baseline
-from before the fork server) gets no CPU ratio ("mix"): the two measure differently.
-
 Benchmark paths in a log are relative to the run's working directory: --root (and --root-baseline) name
 it when the log is not under <root>/.snakemake/log/. Jobs whose benchmark file is missing (a run that
 was cut short) count with the wall time between their start and finish lines in the log (1 s resolution),
@@ -36,9 +29,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from userdp.jobserver import read_job_log
-from userdp.layout import LOG_JOBSERVER
-
 _STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
 _RULE = re.compile(r"^(?:local)?rule (\w+):$")
 _FIELD = re.compile(r"^\s+(jobid|benchmark): (.+)$")
@@ -54,7 +44,6 @@ class Job:
     benchmark: str | None = None
     wall_s: float | None = None
     cpu_s: float | None = None
-    cpu_source: str = "benchmark"  # or "jobserver": the fork server's log (see attach_jobserver_cpu)
 
 
 @dataclass
@@ -120,29 +109,6 @@ def _written_by(job: Job, path: Path) -> bool:
             <= job.finished + dt.timedelta(seconds=_WRITE_SLACK_S))
 
 
-#: Seconds between snakemake's start stamp of a job and the server's (client start-up, 1 s stamps).
-_JS_SLACK_S = 5.0
-
-
-def attach_jobserver_cpu(run: Run, path: Path) -> int:
-    """Set the CPU of the run's jobs that the fork server ran from its log; the number of jobs matched."""
-    pool = [(rule, dt.datetime.fromtimestamp(start), cpu) for rule, start, cpu in read_job_log(path)]
-    used = [False] * len(pool)
-    matched = 0
-    for job in sorted(run.jobs, key=lambda j: j.started or dt.datetime.min):
-        if job.started is None:
-            continue
-        for i, (rule, start, cpu) in enumerate(pool):
-            if not used[i] and rule == job.rule and \
-                    abs((start - job.started).total_seconds()) <= _JS_SLACK_S:
-                used[i] = True
-                job.cpu_s = cpu
-                job.cpu_source = "jobserver"
-                matched += 1
-                break
-    return matched
-
-
 def per_rule(run: Run) -> dict[str, dict]:
     table: dict[str, dict] = {}
     for job in run.jobs:
@@ -150,8 +116,6 @@ def per_rule(run: Run) -> dict[str, dict]:
         row["jobs"] += 1
         row["wall"] += job.wall_s or 0.0
         row["cpu"] += job.cpu_s or 0.0
-        if job.cpu_s is not None:
-            row.setdefault("cpu_sources", set()).add(job.cpu_source)
     return dict(sorted(table.items(), key=lambda kv: -kv[1]["wall"]))
 
 
@@ -179,7 +143,6 @@ def report(run: Run, baseline: Run | None = None, out=None) -> None:
     if baseline:
         header += f"  {'before':>11s} {'wall':>6s} {'cpu':>6s}"
     print(header, file=out)
-    mixed = []
     for rule in list(rows) + [r for r in base if r not in rows]:
         r = rows.get(rule, {"jobs": 0, "wall": 0.0, "cpu": 0.0})
         line = (f"{rule:36s} {r['jobs']:4d} {r['wall']:8.1f} "
@@ -187,17 +150,8 @@ def report(run: Run, baseline: Run | None = None, out=None) -> None:
         if baseline:
             b = base.get(rule, {"jobs": 0, "wall": 0.0, "cpu": 0.0})
             line += f"  {b['jobs']:3d}x{(b['wall'] / b['jobs'] if b['jobs'] else 0):6.1f}s"
-            same = r.get("cpu_sources", set()) == b.get("cpu_sources", set())
-            if not same:
-                mixed.append(rule)
-            line += f" {_ratio(r['wall'], b['wall'])} {_ratio(r['cpu'], b['cpu']) if same else '  mix'}"
+            line += f" {_ratio(r['wall'], b['wall'])} {_ratio(r['cpu'], b['cpu'])}"
         print(line, file=out)
-    if mixed:
-        print(f"mix: {len(mixed)} rule(s) whose CPU the two runs measured differently (the fork server's log, a "
-              "job's whole CPU, against snakemake's benchmark file, which samples the job's processes now and "
-              "then and misses what they use after the last sample): no CPU ratio; compare their wall times", file=out)
-
-
 def _newest_log(root: Path) -> Path:
     logs = sorted((root / ".snakemake" / "log").glob("*.snakemake.log"))
     if not logs:
@@ -219,9 +173,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root", help="working directory of that run (default: from the log's path)")
     ap.add_argument("--baseline", help="snakemake log of the run to compare against")
     ap.add_argument("--root-baseline", help="working directory of the baseline run")
-    ap.add_argument("--jobserver-log", help="the fork server's log of the run (default: "
-                    "<root>/results/logs/jobserver.log where it exists)")
-    ap.add_argument("--jobserver-log-baseline", help="the same for the baseline run")
     args = ap.parse_args(argv)
     log = Path(args.log) if args.log else _newest_log(Path("."))
     for path in [log] + ([Path(args.baseline)] if args.baseline else []):
@@ -229,23 +180,12 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"profile_pipeline: {path} does not exist")
     root = _root_of(log, args.root)
     run = read_run(log, root)
-    _with_jobserver(run, args.jobserver_log, root)
     baseline = None
     if args.baseline:
         b = Path(args.baseline)
         b_root = _root_of(b, args.root_baseline)
         baseline = read_run(b, b_root)
-        _with_jobserver(baseline, args.jobserver_log_baseline, b_root)
     report(run, baseline)
-
-
-def _with_jobserver(run: Run, given: str | None, root: Path) -> None:
-    path = Path(given) if given else root / LOG_JOBSERVER
-    if given and not path.exists():
-        raise SystemExit(f"profile_pipeline: {path} does not exist")
-    if path.exists():
-        n = attach_jobserver_cpu(run, path)
-        print(f"{run.log}: CPU of {n} of {len(run.jobs)} jobs from the fork server's log {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -237,8 +237,8 @@ def script(name: str, make: Callable[[Path, dict], dict], config: dict | None = 
 
     With `config` the config is first validated as the workflow does at start-up (a ConfigError exits 2 there
     and the script does not run); `make(folder, validated config)` returns the rule's input, output, params,
-    wildcards (dicts) and threads. Like the rules' scripts, the stand-in has no `config`: a script's job comes
-    from its rule (tests/test_structure.py).
+    wildcards (dicts) and threads; the stand-in's `config` is the validated config, which the scripts read only
+    through userdp.untracked (tests/test_structure.py).
     """
 
     def run(folder: Path) -> Outcome:
@@ -258,6 +258,7 @@ def script(name: str, make: Callable[[Path, dict], dict], config: dict | None = 
                 setattr(sm, key, _Names(**rule.get(key, {})))
             sm.log = _Names(log=f"logs/{name}.log")
             sm.threads, sm.rule = rule.get("threads", 1), rule.get("rule", name)
+            sm.config = cfg
             with _script_logging(), _process_state():
                 exec(code, {"__name__": "__main__", "__file__": str(path), "snakemake": sm})
 
@@ -523,13 +524,6 @@ def snakemake_case(id: str, what: str, yaml_text: str, message: str, *args: str,
                 kept=("my.yaml", *kw.pop("kept", ())), **kw)
 
 
-def untracked(cfg: dict, *keys: str) -> Any:
-    """A rule's `untracked` param (userdp.rule_params.untracked) of the validated config."""
-    from userdp.rule_params import untracked as make
-
-    return make(cfg, *keys)
-
-
 DATA_OUTPUTS = ("results/data/{name}/examples.parquet", "results/data/{name}/users.parquet",
                 "results/data/{name}/contributions.json")
 
@@ -543,8 +537,7 @@ def prepare_job(spec: dict, name: str = "mine") -> Callable[[Path], Outcome]:
             "output": {"examples": f"results/data/{name}/examples.parquet",
                        "users": f"results/data/{name}/users.parquet",
                        "contributions": f"results/data/{name}/contributions.json"},
-            "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"], "contribution_stats_private": False,
-                       "untracked": untracked(cfg, "tokenizer.batch_rows")},
+            "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"], "contribution_stats_private": False},
             "wildcards": {"dataset": name},
         }
 
@@ -557,8 +550,7 @@ def _dataset_job(script_name: str, output: dict[str, str], spec: dict, name: str
     def make(folder: Path, cfg: dict) -> dict:
         return {"input": {"download": f"data/{name}/download.json"},
                 "output": {k: v.format(name=name) for k, v in output.items()},
-                "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"],
-                           "untracked": untracked(cfg, "tokenizer.batch_rows")},
+                "params": {"spec": cfg["datasets"][name], "seed": cfg["seed"]},
                 "wildcards": {"dataset": name}}
 
     return script(script_name, make, {"datasets": {name: spec}, **config})
@@ -608,7 +600,7 @@ def train_tokenizer(name: str | None, public: str = "results/data/synth/public.p
         return {"input": {"public": public},
                 "output": {"tokenizer": "results/tokenizer/tokenizer.json",
                            "info": "results/tokenizer/tokenizer_info.json"},
-                "params": {"name": name, "vocab_size": 300, "untracked": untracked(cfg, "tokenizer.batch_rows")},
+                "params": {"name": name, "vocab_size": 300},
                 "threads": 1}
 
     return script("train_tokenizer.py", make, {"datasets": {"synth": {"source": "synthetic"}},
@@ -624,8 +616,7 @@ def tokenize_job(examples: str = "results/data/mine/examples.parquet") -> Callab
     def make(folder: Path, cfg: dict) -> dict:
         return {"input": {"examples": examples, "tokenizer": "results/tokenizer/tokenizer.json"},
                 "output": {"tokens": "results/data/mine/tokens.parquet"},
-                "params": {"sequence_length": 16, "long_examples": "truncate",
-                           "untracked": untracked(cfg, "tokenizer.batch_rows", "privacy.contribution_stats.private")},
+                "params": {"sequence_length": 16, "long_examples": "truncate"},
                 "rule": "tokenize"}
 
     return script("tokenize_data.py", make, {"datasets": {"mine": {"source": "synthetic"}}, "tokenizer": {"batch_rows": 8}})

@@ -66,8 +66,8 @@ def test_per_rule_sums_from_benchmarks_and_log_times(profile, tmp_path):
     assert run.elapsed_s == pytest.approx(310.5)
     rows = profile.per_rule(run)
     assert list(rows) == ["pretrain", "train_tokenizer", "aggregate"]  # by wall time, rule all left out
-    assert rows["pretrain"] == {"jobs": 1, "wall": 29.5, "cpu": 28.0, "cpu_sources": {"benchmark"}}
-    assert rows["train_tokenizer"] == {"jobs": 1, "wall": 4.2, "cpu": 7.9, "cpu_sources": {"benchmark"}}
+    assert rows["pretrain"] == {"jobs": 1, "wall": 29.5, "cpu": 28.0}
+    assert rows["train_tokenizer"] == {"jobs": 1, "wall": 4.2, "cpu": 7.9}
     assert rows["aggregate"] == {"jobs": 1, "wall": 4.0, "cpu": 0.0}  # from the log's start and finish
 
 
@@ -77,7 +77,7 @@ def test_a_benchmark_file_rewritten_by_a_later_run_is_not_read(profile, tmp_path
     os.utime(later, (later.stat().st_mtime + 3600, later.stat().st_mtime + 3600))  # another run's pretrain
     rows = profile.per_rule(profile.read_run(log, tmp_path))
     assert rows["pretrain"] == {"jobs": 1, "wall": 30.0, "cpu": 0.0}  # the log's start and finish
-    assert rows["train_tokenizer"] == {"jobs": 1, "wall": 4.2, "cpu": 7.9, "cpu_sources": {"benchmark"}}  # its file is this run's
+    assert rows["train_tokenizer"] == {"jobs": 1, "wall": 4.2, "cpu": 7.9}  # its file is this run's
     err = capsys.readouterr().err
     assert "1 benchmark file(s)" in err and "pretrain.tsv" in err
 
@@ -90,6 +90,13 @@ def test_ratios_against_a_baseline(profile, tmp_path):
     text = out.getvalue()
     assert "elapsed after/before: 0.50x" in text
     assert " 1.00x  1.00x" in text.splitlines()[-3]  # pretrain, the same files
+
+
+def test_main_finds_the_newest_log_under_the_root(profile, tmp_path, capsys, monkeypatch):
+    _write_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    profile.main([])
+    assert "3 jobs, elapsed 310 s" in capsys.readouterr().out
 
 
 def test_benchmark_paths_mirror_the_logs():
@@ -118,57 +125,3 @@ def test_cpu_of_command_counts_the_descendants_and_passes_the_exit_status(tmp_pa
     none = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_of_command.py")], capture_output=True,
                           text=True, timeout=60)
     assert none.returncode == 2 and "give the command to run after --" in none.stderr
-
-
-def _write_jobserver_log(tmp_path: Path) -> Path:
-    js = tmp_path / layout.LOG_JOBSERVER
-    js.parent.mkdir(parents=True, exist_ok=True)
-    js.write_text(
-        "2026-12-04 14:29:55 [10] serving: 60 modules imported\n"
-        "2026-12-04 14:30:01 [11] job pid 21 rule pretrain started: /w/scripts/pretrain.py\n"
-        "2026-12-04 14:30:02 [12] job pid 22 rule train_tokenizer started: /w/scripts/train_tokenizer.py\n"
-        "2026-12-04 14:30:05 [12] job pid 22: cpu 3.25 s, max rss 400 MB\n"
-        "2026-12-04 14:30:05 [12] job pid 22 rule train_tokenizer ended: exit 0\n"
-        "2026-12-04 14:30:06 [13] job pid 23 rule aggregate started: /w/scripts/aggregate.py\n"
-        "2026-12-04 14:30:09 [13] job pid 23: cpu 1.50 s, max rss 300 MB\n"
-        "2026-12-04 14:30:30 [11] job pid 21: cpu 27.00 s, max rss 900 MB\n"
-        # a job of another run of the same rule, long after: not this run's
-        "2026-12-04 15:10:00 [14] job pid 24 rule aggregate started: /w/scripts/aggregate.py\n"
-        "2026-12-04 15:10:01 [14] job pid 24: cpu 9.00 s, max rss 300 MB\n"
-    )
-    return js
-
-
-def test_cpu_of_forked_jobs_comes_from_the_jobserver_log(profile, tmp_path, capsys):
-    """A delegated job's benchmark CPU is its client's (~0): the server's log gives the job's own CPU."""
-    log = _write_run(tmp_path)
-    js = _write_jobserver_log(tmp_path)
-    out = io.StringIO()
-    run = profile.read_run(log, tmp_path)
-    assert profile.attach_jobserver_cpu(run, js) == 3
-    cpu = {j.rule: j.cpu_s for j in run.jobs}
-    assert cpu == {"pretrain": 27.0, "train_tokenizer": 3.25, "aggregate": 1.5}
-    profile.report(run, out=out)
-    assert "job CPU 32 s" in out.getvalue()
-    # main() finds the log under the run's root by itself
-    capsys.readouterr()
-    profile.main(["--log", str(log), "--root", str(tmp_path)])
-    printed = capsys.readouterr()
-    assert "job CPU 32 s" in printed.out
-    assert "CPU of 3 of 3 jobs from the fork server's log" in printed.err
-
-
-def test_no_cpu_ratio_between_differently_measured_runs(profile, tmp_path):
-    """A baseline from before the fork server has only benchmark-file CPU: its rules get no CPU ratio."""
-    after = profile.read_run(_write_run(tmp_path / "after"), tmp_path / "after")
-    profile.attach_jobserver_cpu(after, _write_jobserver_log(tmp_path / "after"))
-    before = profile.read_run(_write_run(tmp_path / "before"), tmp_path / "before")
-    out = io.StringIO()
-    profile.report(after, before, out=out)
-    lines = out.getvalue().splitlines()
-    pretrain = next(line for line in lines if line.startswith("pretrain "))
-    assert pretrain.endswith(" 1.00x   mix")  # same wall, CPU from two sources
-    assert lines[-1].startswith("mix: 3 rule(s) whose CPU the two runs measured differently")
-    same = io.StringIO()
-    profile.report(after, after, out=same)
-    assert "mix" not in same.getvalue()

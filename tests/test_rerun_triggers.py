@@ -8,10 +8,11 @@ Then `snakemake -n` with one config key changed must plan exactly the rules
 whose params carry that key (and what depends on their outputs), and nothing
 for keys that change no result (threads, batch sizes, checkpointing).
 
-The scripts read no config (tests/test_structure.py): keys that change no
-result reach them in the `untracked` param (userdp.rule_params), which
-Snakemake must not record; the jobs rebuild the config sections they read
-from their params (checked against the whole config below).
+The scripts read the config only through userdp.untracked.untracked
+(tests/test_structure.py), for the keys that change no result, which are no
+params and so no rerun trigger; the jobs rebuild the config sections they
+read from their params and those keys (checked against the whole config
+below).
 
 Two fast checks back the "changes no result" claims the workflow relies on:
 fine-tuning with another training.physical_batch_size gives the same model,
@@ -28,9 +29,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.compute as pc
@@ -327,25 +326,17 @@ def test_filtered_privacy_params_give_the_same_plans():
 # --- the untracked param and the jobs' configs rebuilt from params --------------------------------------------
 
 
-def test_snakemake_records_no_untracked_param():
-    """Snakemake's params record (its rerun trigger) skips an Untracked value and keeps a built-in one."""
-    from snakemake.persistence import UNREPRESENTABLE, PersistenceBase
-
+def test_untracked_copies_the_keys_nested_and_names_a_missing_one():
     from userdp.config import validate_config
-    from userdp.rule_params import Untracked, untracked
+    from userdp.untracked import untracked
 
     config = validate_config(base_config())
     value = untracked(config, "tokenizer.batch_rows", "training.physical_batch_size")
-    assert isinstance(value, Untracked) and value["training"] == {"physical_batch_size": 64}
-    # the serialisers use no state of the (abstract) persistence: a stand-in self
-    builtin = partial(PersistenceBase._serialize_param_builtin, None)
-    pandas = partial(PersistenceBase._serialize_param_pandas, SimpleNamespace(_serialize_param_builtin=builtin))
-    for serialize in (builtin, pandas):
-        assert serialize(value) is UNREPRESENTABLE
-        assert serialize(dict(value)) == repr(dict(value))
-    import pickle
-
-    assert pickle.loads(pickle.dumps(value)) == value  # the script gets it pickled, like every param
+    assert value == {"tokenizer": {"batch_rows": config["tokenizer"]["batch_rows"]},
+                     "training": {"physical_batch_size": 64}}
+    section = untracked(config, "mean_estimation")["mean_estimation"]
+    section["n_users"] = -1  # a copy: the job cannot change the config
+    assert config["mean_estimation"]["n_users"] != -1
     with pytest.raises(KeyError, match="training.nope"):
         untracked(config, "training.nope")
 
@@ -360,20 +351,20 @@ def test_the_jobs_configs_rebuilt_from_params_read_as_the_whole_config(change):
     """What the pretraining, fine-tuning and random-stopping jobs read of the config is the same in the sections
     their scripts rebuild from the rules' params as in the whole validated config."""
     from userdp.config import validate_config
-    from userdp.evaluation.random_stopping import job_config
+    from userdp.evaluation.random_stopping import RANDOM_STOPPING_UNTRACKED_KEYS, job_config
     from userdp.evaluation.targets import EVALUATE_UNTRACKED_KEYS
     from userdp.privacy.seed_secrecy import secret_seeds
-    from userdp.rule_params import untracked
     from userdp.training.settings import TrainSettings
     from userdp.training.targets import (FINETUNE_UNTRACKED_KEYS, finetune_config, finetune_params,
-                                         finetune_untracked, pretrain_config, pretrain_params)
+                                         pretrain_config, pretrain_params)
+    from userdp.untracked import untracked
 
     full = validate_config(changed(**change))
     rates = [float(lr) for lr in full["training"]["learning_rates"]]
     settings = finetune_params(full, "tiny")
     rebuilt = {
-        "finetune": finetune_config(settings, finetune_untracked(full), rates),
-        "random_stopping": job_config(settings, untracked(full, *FINETUNE_UNTRACKED_KEYS, "evaluation.batch_size"),
+        "finetune": finetune_config(settings, untracked(full, *FINETUNE_UNTRACKED_KEYS), rates),
+        "random_stopping": job_config(settings, untracked(full, *RANDOM_STOPPING_UNTRACKED_KEYS),
                                       rates, full["evaluation"]["max_users"]),
     }
     for name, config in rebuilt.items():

@@ -9,9 +9,7 @@
 # claimed one. Not part of rule all: run `snakemake --cores 2 audit`.
 import userdp.evaluation.audit_targets as audit_lib
 from userdp import layout
-from userdp.evaluation.targets import EVALUATE_UNTRACKED_KEYS
 from userdp.plotting.registry import figure_targets
-from userdp.rule_params import untracked
 from userdp.training.targets import base_model, run_outputs
 
 _AUDIT_BUDGET, _AUDIT_STEPS = layout.audit_budget(config)
@@ -52,8 +50,6 @@ rule audit_plan:
         privacy=lambda wildcards: audit_lib.plan_privacy(config, wildcards.method, wildcards.eps),
         steps=_AUDIT_STEPS,
         reference_epsilon=lambda wildcards: audit_lib.reference_epsilon(config, wildcards.method, wildcards.eps),
-        # the ceiling check before training (refuses an audit that can only report 0); it changes no plan
-        untracked=audit_lib.ceiling_params(config),
     log:
         layout.LOG_AUDIT_PLAN,
     benchmark:
@@ -94,7 +90,6 @@ rule audit_score:
         audit=audit_lib.score_params(config),
         reference=base_model(config),
         local_reference=not config["model"]["name"],
-        untracked=untracked(config, *EVALUATE_UNTRACKED_KEYS),
     log:
         layout.LOG_AUDIT_SCORE,
     benchmark:

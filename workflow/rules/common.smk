@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test's Snakefile includes only this
 
-from userdp import jobserver, layout
+from userdp import layout
 from userdp.config import validate_config
 from userdp.privacy import memo
 from userdp.errors import ConfigError
@@ -29,21 +29,6 @@ os.environ.setdefault(memo.ENV, layout.ACCOUNTING_MEMO)
 # allocates its logits and activations afresh, and with 4 KB pages most of a job's system time was their page
 # faults (docs/performance.md, "Huge pages"). Same numbers; THP_MEM_ALLOC_ENABLE=0 turns it off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
-# Local runs start the jobs' Python once: a fork server imports torch, transformers, pandas, ... and each
-# script's first line (userdp.jobserver.delegate) has it fork the job. Only in the main process of a real
-# local run (not -n, --touch, --lint or a remote executor); USERDP_JOB_SERVER="" turns it off. Same results.
-onstart:
-    jobserver.start_for_workflow(workflow, layout.LOG_JOBSERVER)
-
-
-onsuccess:
-    jobserver.stop()
-
-
-onerror:
-    jobserver.stop()
 
 
 try:

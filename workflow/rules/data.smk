@@ -9,7 +9,6 @@
 # for such datasets and no checkpoint is needed.
 from userdp import layout
 from userdp.privacy.targets import stats_private
-from userdp.rule_params import untracked
 from userdp.data.targets import (
     datasets_regex,
     labelled_datasets_regex,
@@ -24,9 +23,8 @@ PUBLIC_DATASETS_RE = public_datasets_regex(config)
 LABELLED_DATASETS_RE = labelled_datasets_regex(config)
 UNKNOWN_DATASETS_RE = unknown_datasets_regex(config)
 DATA_RUNTIME = 240  # minutes; the full Stack Overflow corpus takes hours, the default seconds
-# tokenizer.batch_rows bounds memory but changes no output: the scripts get it
-# in the `untracked` param, which is no rerun trigger (userdp.rule_params).
-_BATCH_ROWS = untracked(config, "tokenizer.batch_rows")
+# tokenizer.batch_rows bounds memory but changes no output: the scripts read it
+# from the config (userdp.untracked), so it is no param and no rerun trigger.
 
 
 localrules:
@@ -69,7 +67,6 @@ rule prepare_data:
         # With DP contribution statistics contributions.json holds only the
         # public sizes (users per split): the option changes this output.
         contribution_stats_private=stats_private(config),
-        untracked=_BATCH_ROWS,
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:
@@ -98,7 +95,6 @@ rule user_labels:
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
-        untracked=_BATCH_ROWS,
     wildcard_constraints:
         dataset=LABELLED_DATASETS_RE,
     log:
@@ -124,7 +120,6 @@ rule prepare_public:
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
-        untracked=_BATCH_ROWS,
     wildcard_constraints:
         dataset=PUBLIC_DATASETS_RE,
     log:
@@ -151,7 +146,6 @@ rule train_tokenizer:
     params:
         name=config["tokenizer"]["name"],
         vocab_size=config["tokenizer"]["vocab_size"],
-        untracked=_BATCH_ROWS,
     log:
         layout.LOG_TOKENIZER,
     benchmark:
@@ -176,8 +170,6 @@ rule tokenize:
     params:
         sequence_length=config["tokenizer"]["sequence_length"],
         long_examples=config["tokenizer"]["long_examples"],
-        # with DP contribution statistics the private examples' row and token counts are not logged
-        untracked=untracked(config, "tokenizer.batch_rows", "privacy.contribution_stats.private"),
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:

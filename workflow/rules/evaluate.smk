@@ -16,20 +16,18 @@ from functools import partial
 import userdp.evaluation.targets as eval_targets
 from userdp import layout
 from userdp.plotting.registry import figure_targets
-from userdp.rule_params import untracked
-from userdp.training.targets import FINETUNE_UNTRACKED_KEYS, base_model, finetune_params, per_cell_jobs, rates_per_job
+from userdp.training.targets import base_model, finetune_params, per_cell_jobs, rates_per_job
 
 evaluation_targets = partial(eval_targets.evaluation_targets, config)
 
 # Params hold what changes the metrics: which users are evaluated (max_users,
 # seed). evaluation.batch_size and training.device change the metrics only by
-# float rounding: the script gets them in the `untracked` param, which is no
-# rerun trigger (userdp.evaluation.targets.EVALUATE_UNTRACKED_KEYS).
+# float rounding: the script reads them from the config, so they are no param
+# and no rerun trigger (userdp.evaluation.targets.EVALUATE_UNTRACKED_KEYS).
 _EVAL_PARAMS = dict(
     max_users=config["evaluation"]["max_users"],
     seed=config["seed"],
 )
-_EVAL_UNTRACKED = untracked(config, *eval_targets.EVALUATE_UNTRACKED_KEYS)
 
 
 rule evaluate:
@@ -48,7 +46,6 @@ rule evaluate:
         # validation users only where the cell chooses among several rates (evaluation.validation)
         **eval_targets.split_params(config, selects=len(config["training"]["learning_rates"]) > 1),
         **_EVAL_PARAMS,
-        untracked=_EVAL_UNTRACKED,
     log:
         layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN,
     benchmark:
@@ -79,7 +76,6 @@ rule evaluate_pretrained:
         learning_rate=None,
         **eval_targets.split_params(config, selects=False),
         **_EVAL_PARAMS,
-        untracked=_EVAL_UNTRACKED,
     log:
         layout.LOG_EVALUATE_PRETRAINED,
     benchmark:
@@ -156,8 +152,6 @@ if eval_targets.random_stopping(config):
             learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
             debug_step_log=bool(config["training"]["debug_step_log"]),
             **_EVAL_PARAMS,
-            # what the runs and their evaluations read that changes no result (training.device is in settings)
-            untracked=untracked(config, *FINETUNE_UNTRACKED_KEYS, "evaluation.batch_size"),
         log:
             layout.LOG_RANDOM_STOPPING,
         # no benchmark file: its wall time reveals the number of runs K, which stays secret (docs/privacy.md)

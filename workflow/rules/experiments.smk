@@ -9,7 +9,6 @@
 # (the results table) and the registry's figure targets.
 
 from userdp import layout
-from userdp.rule_params import Untracked
 
 # Only what changes a sampling rate or a privacy target triggers recalibration.
 _ME_CALIBRATION_KEYS = (
@@ -28,10 +27,6 @@ rule mean_estimation_calibration:
         layout.MEAN_ESTIMATION_CALIBRATION,
     params:
         calibration=ME_CALIBRATION_PARAMS,
-        # the study's other keys: the job builds the whole study spec (userdp.experiments.mean_estimation.
-        # MeanEstimationSpec) but calibrates from the keys above only, so these are no rerun trigger
-        untracked=Untracked(mean_estimation={k: v for k, v in config["mean_estimation"].items()
-                                             if k not in _ME_CALIBRATION_KEYS}),
     log:
         layout.LOG_MEAN_ESTIMATION_CALIBRATION,
     benchmark:

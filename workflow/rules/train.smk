@@ -12,7 +12,6 @@ from userdp.training.targets import (
     finetune_inputs,
     finetune_params,
     finetune_runtime,
-    finetune_untracked,
     learning_rate_texts,
     per_cell_jobs,
     pretrain_inputs,
@@ -27,11 +26,11 @@ from userdp.training.targets import (
 # physical_batch_size or checkpoint_every rerun nothing; privacy.secret_seeds
 # enters as resolved per dataset (null: secret unless the source is synthetic),
 # so the param is a function of the {dataset} wildcard. The scripts build their
-# job from these params alone (userdp.training.targets.pretrain_config,
+# job from these params (userdp.training.targets.pretrain_config,
 # finetune_config); the keys a run reads that change no result (physical_batch_size,
-# checkpoint_every, gradient_checkpointing) are its `untracked` param, which is
-# no rerun trigger (userdp.rule_params). threads and gpus come as the rule's
-# threads and resources. Paths: userdp.layout (a run folder per cell and learning rate).
+# checkpoint_every, gradient_checkpointing) it reads from the config
+# (userdp.untracked): no param, so no rerun trigger. threads and gpus come as the
+# rule's threads and resources. Paths: userdp.layout (a run folder per cell and learning rate).
 
 
 rule pretrain:
@@ -70,7 +69,6 @@ rule finetune:
         learning_rates=[float(lr) for lr in learning_rate_texts(config)],
         model=base_model(config),
         settings=lambda wildcards: finetune_params(config, wildcards.dataset),
-        untracked=finetune_untracked(config),
     log:
         layout.LOG_FINETUNE if per_cell_jobs(config) else layout.LOG_FINETUNE_RUN,
     benchmark:

@@ -1,9 +1,5 @@
 """Snakemake script (rule accounting_comparison): sigma needed per (G, epsilon) per accountant."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp.errors
 import userdp.io
 import userdp.logutil

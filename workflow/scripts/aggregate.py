@@ -5,10 +5,6 @@ ledgers, train_logs; userdp.evaluation.targets.summary_inputs), and grid.budgets
 from its params (each cell's steps).
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 from userdp.errors import run_main
 from userdp.evaluation.aggregate import build_summary, write_summary
 from userdp.logutil import setup_logging

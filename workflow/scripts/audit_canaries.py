@@ -1,9 +1,5 @@
 """Snakemake script (rule audit_canaries): the canary users and the table the audit trains on."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp.errors
 import userdp.logutil
 from userdp.data import canaries as canaries_lib

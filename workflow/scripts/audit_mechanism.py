@@ -1,9 +1,5 @@
 """Snakemake script (rule audit_mechanism_table): the white-box audit of the mechanism, one row per audited cell."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import mechanism_audit

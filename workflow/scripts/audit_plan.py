@@ -10,19 +10,16 @@ training.learning_rates its sigma is below the grid cells' (each of those is
 calibrated for the k runs composed).
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp
 import userdp.errors
 import userdp.io
 import userdp.logutil
 from userdp.layout import parse_num
 from userdp.privacy.contribution_stats import NoisyHistogram
-from userdp.evaluation.audit_targets import grid_delta, plan_time_check
+from userdp.evaluation.audit_targets import CEILING_UNTRACKED_KEYS, grid_delta, plan_time_check
 from userdp.privacy.planner import read_train_token_counts
 from userdp.privacy.selection import Selection
+from userdp.untracked import untracked
 
 log = userdp.logutil.setup_logging(snakemake.log[0])
 
@@ -35,7 +32,7 @@ def main() -> None:
     # delta is the grid's: from the dataset's train users (a public size), not the audit's smaller table
     privacy, delta_rule = grid_delta(dict(sm.params.privacy), userdp.io.read_json(inputs["contributions"]))
     # What this audit can show at all, before anything is planned or trained: refuse an audit that can only report 0.
-    ceiling, warning = plan_time_check(sm.params.untracked["audit"], float(privacy["delta"]), dataset=w.dataset,
+    ceiling, warning = plan_time_check(untracked(sm.config, *CEILING_UNTRACKED_KEYS)["audit"], float(privacy["delta"]), dataset=w.dataset,
                                        method=w.method, eps=w.eps)
     if warning:
         log.warning("%s", warning)

@@ -4,10 +4,6 @@ Writes the per-canary scores and the cell's audit result (AUC, TPR at 1% FPR,
 empirical epsilon lower bound) next to the claimed epsilon of the run ledger.
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import os
 
 import torch
@@ -15,7 +11,9 @@ import torch
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import audit
+from userdp.evaluation.targets import EVALUATE_UNTRACKED_KEYS
 from userdp.io import read_json
+from userdp.untracked import untracked
 
 log = userdp.logutil.setup_logging(snakemake.log[0])
 
@@ -23,14 +21,14 @@ log = userdp.logutil.setup_logging(snakemake.log[0])
 def main() -> None:
     sm = snakemake
     torch.set_num_threads(max(1, int(sm.threads)))
-    untracked = sm.params.untracked
+    settings = untracked(sm.config, *EVALUATE_UNTRACKED_KEYS)
     result = audit.audit_cell(
         dataset=sm.wildcards.dataset, model=os.path.dirname(sm.input.model[0]), reference=str(sm.params.reference),
         local_reference=bool(sm.params.local_reference), ledger=read_json(sm.input.ledger),
         canaries=str(sm.input.canaries), scores_out=str(sm.output.scores), result_out=str(sm.output.result),
         confidence=float(sm.params.audit["confidence"]), guess_fractions=list(sm.params.audit["guess_fractions"]),
-        # Untracked: they change no score beyond float rounding.
-        batch_size=int(untracked["evaluation"]["batch_size"]), device=untracked["training"]["device"],
+        # from the config, no params: they change no score beyond float rounding
+        batch_size=int(settings["evaluation"]["batch_size"]), device=settings["training"]["device"],
         audit_delta=sm.params.audit["delta"],
     )
     log.info("%s eps=%s: claimed epsilon %.4g at delta %.3g; empirical lower bounds (%.0f%%) %.4g ((eps, delta), "

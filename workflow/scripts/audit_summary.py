@@ -1,9 +1,5 @@
 """Snakemake script (rule audit_summary): one row per audited cell, as Parquet, CSV and the report's HTML table."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import audit

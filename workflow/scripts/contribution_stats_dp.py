@@ -1,9 +1,5 @@
 """Snakemake script (rule contribution_stats_dp): the DP histogram of train users' counts."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp.errors
 import userdp.io
 import userdp.logutil

@@ -5,10 +5,6 @@ records the spec. This rule is a localrule: on a cluster it runs on the
 submit host, which usually is the one with internet access.
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import platform
 import time
 

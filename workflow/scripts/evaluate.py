@@ -7,10 +7,6 @@ per_run -> each run folder's eval.json and eval_users.parquet) and
 users.parquet). The Parquet files hold each test user's scores.
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 from pathlib import Path
 
 import torch
@@ -18,11 +14,12 @@ import torch
 from userdp.errors import run_main
 from userdp.evaluation.metrics import evaluate_models
 from userdp.evaluation.select import pretrained_metrics
-from userdp.evaluation.targets import EVAL_SPLITS
+from userdp.evaluation.targets import EVAL_SPLITS, EVALUATE_UNTRACKED_KEYS
 from userdp.io import write_json
 from userdp.layout import EVAL, EVAL_USERS, RUN_MODEL
 from userdp.logutil import setup_logging
 from userdp.training.targets import sweep_runs
+from userdp.untracked import untracked
 
 log = setup_logging(snakemake.log[0])
 
@@ -31,6 +28,7 @@ def main() -> None:
     sm = snakemake
     torch.set_num_threads(max(1, int(sm.threads)))
     p = sm.params
+    settings = untracked(sm.config, *EVALUATE_UNTRACKED_KEYS)
     pretrained = hasattr(p, "learning_rate")  # rule evaluate_pretrained: one model, no learning rate
     if pretrained:
         models, rates, outputs = [p.model], [None], [sm.output.metrics]
@@ -47,9 +45,9 @@ def main() -> None:
         dataset=sm.wildcards.dataset,
         root_seed=p.seed,
         max_users=p.max_users,
-        # Untracked (they change no metric beyond float rounding, so changing them reruns nothing).
-        batch_size=int(p.untracked["evaluation"]["batch_size"]),
-        device=p.untracked["training"]["device"],
+        # from the config, no params: they change no metric beyond float rounding
+        batch_size=int(settings["evaluation"]["batch_size"]),
+        device=settings["training"]["device"],
         local_model=p.local_model,
         splits=getattr(p, "splits", EVAL_SPLITS),  # absent: both (userdp.evaluation.targets.split_params)
         users_out=users,

@@ -1,9 +1,5 @@
 """Snakemake script (rule findings): the study's findings table (userdp.evaluation.findings)."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 from userdp.errors import run_main
 from userdp.evaluation.findings_job import run
 from userdp.logutil import setup_logging

@@ -8,15 +8,12 @@ spread over that many data-parallel processes (torchrun); see
 userdp.training.distributed.
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp.errors
 import userdp.logutil
 from userdp.training import finetune_job
 from userdp.layout import LEDGER
-from userdp.training.targets import finetune_config, sweep_runs
+from userdp.training.targets import FINETUNE_UNTRACKED_KEYS, finetune_config, sweep_runs
+from userdp.untracked import untracked
 
 log = userdp.logutil.setup_logging(snakemake.log[0])
 
@@ -24,7 +21,7 @@ log = userdp.logutil.setup_logging(snakemake.log[0])
 def main() -> None:
     sm = snakemake
     p = sm.params
-    config = finetune_config(p.settings, p.untracked, p.learning_rates)
+    config = finetune_config(p.settings, untracked(sm.config, *FINETUNE_UNTRACKED_KEYS), p.learning_rates)
     w = sm.wildcards
     runs = sweep_runs(list(sm.output), LEDGER, list(p.learning_rates))
     jobs = [

@@ -1,9 +1,5 @@
 """Snakemake script (rule groups): each evaluated test user's loss per run and the cost of privacy per group."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 from userdp.errors import run_main
 from userdp.evaluation import groups
 from userdp.logutil import setup_logging

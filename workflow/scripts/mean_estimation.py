@@ -5,10 +5,6 @@ method, epsilon, budget, diversity, G, seed) and lr_sweep.parquet (every
 learning rate, tuning and report seeds).
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import time
 
 from threadpoolctl import threadpool_limits

@@ -1,9 +1,5 @@
 """Snakemake script (rules plan, plan_group_sweep): one grid cell -> its plan JSON."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp
 import userdp.errors
 import userdp.io

@@ -4,10 +4,6 @@ The figure, its inputs and its plot params come from
 userdp.plotting.registry; this adapter only passes Snakemake's files on.
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 from userdp.errors import run_main
 from userdp.logutil import setup_logging
 from userdp.plotting.registry import figure_of_rule

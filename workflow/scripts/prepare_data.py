@@ -1,9 +1,5 @@
 """Snakemake script (rule prepare_data): clean, group users, split, contribution statistics."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,6 +8,7 @@ import userdp.errors
 import userdp.logutil
 from userdp.data.sources import open_job_source
 from userdp.data.prepare import prepare_dataset
+from userdp.untracked import untracked
 
 log = userdp.logutil.setup_logging(snakemake.log[0])
 
@@ -23,7 +20,7 @@ def main() -> None:
     source, spec = open_job_source(snakemake)
     out_dir = Path(snakemake.output.contributions).parent
     private = bool(snakemake.params.contribution_stats_private)
-    batch_rows = int(snakemake.params.untracked["tokenizer"]["batch_rows"])
+    batch_rows = int(untracked(snakemake.config, "tokenizer.batch_rows")["tokenizer"]["batch_rows"])
     stats = prepare_dataset(source, name, spec, out_dir, seed, batch_rows=batch_rows, private_stats=private)
     if private:  # only the public sizes (userdp.data.prepare.public_view)
         log.info("dataset %s: users %s", name, stats["n_users"])

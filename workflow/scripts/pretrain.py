@@ -1,9 +1,5 @@
 """Snakemake script: build the small base model and pretrain it on public tokens (rule pretrain)."""
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 from pathlib import Path
 
 import torch

@@ -5,15 +5,12 @@ validation users; the best is released into the cell folder
 (userdp.evaluation.random_stopping).
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import random_stopping
 from userdp.layout import cell_of_dir
 from userdp.privacy.spec import RunSpec
+from userdp.untracked import untracked
 
 log = userdp.logutil.setup_logging(snakemake.log[0])
 
@@ -21,7 +18,9 @@ log = userdp.logutil.setup_logging(snakemake.log[0])
 def main() -> None:
     sm = snakemake
     p = sm.params
-    config = random_stopping.job_config(p.settings, p.untracked, list(p.learning_rates), p.max_users)
+    config = random_stopping.job_config(
+        p.settings, untracked(sm.config, *random_stopping.RANDOM_STOPPING_UNTRACKED_KEYS), list(p.learning_rates),
+        p.max_users)
     plan = str(sm.input.plan)
     cell = cell_of_dir(str(sm.output.ledger).rsplit("/", 1)[0], steps=RunSpec.load(plan).steps)
     job = random_stopping.job_from_cell(

@@ -5,10 +5,6 @@ that rate's ledger.json, train_log.parquet and per-user test scores (users.parqu
 with the columns training.debug_step_log allows).
 """
 
-from userdp.jobserver import delegate
-
-delegate(snakemake)
-
 from userdp.errors import run_main
 from userdp.evaluation.select import select_cell
 from userdp.logutil import setup_logging

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import userdp.errors
 import userdp.logutil
+from userdp.untracked import untracked
 
 
 def main() -> None:
@@ -20,16 +21,16 @@ def main() -> None:
     public = snakemake.rule == "tokenize_public"
     fn = tokenize_public if public else tokenize_examples
     # With DP contribution statistics the row and token counts of the private examples are not logged
-    # (docs/privacy.md, "What is treated as public"); an untracked param: a log changes no result.
-    untracked = snakemake.params.untracked
-    private_counts = not public and stats_private(untracked)
+    # (docs/privacy.md, "What is treated as public"); read from the config, no param: a log changes no result.
+    config = untracked(snakemake.config, "tokenizer.batch_rows", "privacy.contribution_stats.private")
+    private_counts = not public and stats_private(config)
     info = fn(
         snakemake.input.examples,
         Path(snakemake.input.tokenizer).parent,
         snakemake.output[0],
         int(snakemake.params.sequence_length),
         snakemake.params.long_examples,
-        batch_rows=int(untracked["tokenizer"]["batch_rows"]),
+        batch_rows=int(config["tokenizer"]["batch_rows"]),
         threads=int(snakemake.threads),
         **({"log_rows": False} if private_counts else {}),
     )
@@ -39,9 +40,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from userdp.jobserver import delegate
-
-    delegate(snakemake)
     log = userdp.logutil.setup_logging(snakemake.log[0])
     # Rayon threads of the in-process path (one batch, or threads = 1); worker
     # processes set their own (one each).

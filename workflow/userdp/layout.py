@@ -186,7 +186,6 @@ LOG_DOWNLOAD = LOGS + "/data/download_{dataset}.log"
 LOG_PREPARE = LOGS + "/data/prepare_{dataset}.log"
 LOG_PREPARE_PUBLIC = LOGS + "/data/prepare_public_{dataset}.log"
 LOG_TOKENIZER = LOGS + "/data/tokenizer.log"
-LOG_JOBSERVER = LOGS + "/jobserver.log"  # the job fork server of a local run: one line per job (userdp.jobserver)
 LOG_TOKENIZE = LOGS + "/data/tokenize_{dataset}.log"
 LOG_TOKENIZE_PUBLIC = LOGS + "/data/tokenize_public_{dataset}.log"
 LOG_UNKNOWN_DATASET = LOGS + "/data/unknown_{dataset}_{artifact}.log"

@@ -10,16 +10,13 @@ included canaries (layout.AUDIT_TOKENS). Paths are layout's AUDIT_* templates.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from .. import layout
 from ..data.canaries import resolved_secret_length
 from ..layout import sorted_dict
 from ..privacy import targets as plan_targets
 from ..training import targets as train_targets
-
-if TYPE_CHECKING:
-    from ..rule_params import Untracked
 
 
 def audited_datasets(config: Mapping) -> list[str]:
@@ -121,15 +118,11 @@ def score_params(config: Mapping) -> dict[str, Any]:
                         "delta": a["delta"]})
 
 
-def ceiling_params(config: Mapping) -> "Untracked":
-    """What the audit's ceiling depends on (rule audit_plan checks it before training): m, the confidence, the
-    guess sets and audit.delta (null: the run's delta, known once the plan has it). Untracked (userdp.
-    rule_params): the check refuses or warns but changes no plan, so these keys rerun no plan and no run."""
-    from ..rule_params import Untracked
-
-    a = config["audit"]
-    return Untracked(audit={"canaries": a["canaries"], "confidence": a["confidence"],
-                            "guess_fractions": list(a["guess_fractions"]), "delta": a["delta"]})
+#: What the audit's ceiling depends on (rule audit_plan's script checks it before training): m, the confidence,
+#: the guess sets and audit.delta (null: the run's delta, known once the plan has it). Read from the config, not
+#: params (userdp.untracked): the check refuses or warns but changes no plan, so these keys rerun no plan and no
+#: run.
+CEILING_UNTRACKED_KEYS = ("audit.canaries", "audit.confidence", "audit.guess_fractions", "audit.delta")
 
 
 #: The audit delta the fix suggests when the runs' delta leaves the audit nothing to show.
@@ -188,7 +181,7 @@ def plan_time_check(audit: Mapping, run_delta: float, *, dataset: str, method: s
                     eps: str) -> tuple[dict, str | None]:
     """Rule audit_plan's check, before training: (the ceilings at the audit's delta, a warning or None).
 
-    `audit`: ceiling_params' section (m, confidence, guess fractions,
+    `audit`: the audit section of CEILING_UNTRACKED_KEYS' (m, confidence, guess fractions,
     audit.delta); `run_delta`: the runs' delta (the plan's). Raises
     ConfigError, naming the fix, when no bound above 0 is possible.
     """

@@ -53,6 +53,7 @@ from ..privacy.selection import Selection
 from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
 from ..training import checkpoint
+from ..training.targets import FINETUNE_UNTRACKED_KEYS
 from .select import REPORTED, choose_learning_rate, copy_train_log, copy_user_scores, with_selection_epsilon
 
 log = logging.getLogger(__name__)
@@ -235,15 +236,20 @@ def run_cell(job: RandomStoppingJob, *, out_metrics: str, out_ledger: str, out_t
     return metrics
 
 
+#: What a random-stopping job reads from the config that changes no result (its runs' and their evaluations').
+RANDOM_STOPPING_UNTRACKED_KEYS = (*FINETUNE_UNTRACKED_KEYS, "evaluation.batch_size")
+
+
 def job_config(settings: Mapping, untracked: Mapping, learning_rates: list[float], max_users: int | None) -> dict:
     """The config sections a random-stopping job reads, from rule random_stopping's params: those of its runs
-    (userdp.training.targets.finetune_config: `settings`, `untracked`, `learning_rates`, the candidates) and
-    of their evaluation (max_users; evaluation.batch_size from `untracked`)."""
+    (userdp.training.targets.finetune_config: `settings`, `untracked` (RANDOM_STOPPING_UNTRACKED_KEYS of the
+    config, userdp.untracked), `learning_rates`, the candidates) and of their evaluation (max_users;
+    evaluation.batch_size from `untracked`)."""
     from ..training.targets import finetune_config
 
-    config = finetune_config(settings, untracked, learning_rates)
-    config["evaluation"] = {"max_users": max_users, "batch_size": int(untracked["evaluation"]["batch_size"])}
-    return config
+    job = finetune_config(settings, untracked, learning_rates)
+    job["evaluation"] = {"max_users": max_users, "batch_size": int(untracked["evaluation"]["batch_size"])}
+    return job
 
 
 def job_from_cell(config: dict, cell: layout.Cell, **paths: Any) -> RandomStoppingJob:

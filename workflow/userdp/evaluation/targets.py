@@ -15,8 +15,8 @@ from ..training.targets import learning_rate_texts
 
 #: The config keys an evaluation reads that change no metric beyond float rounding (right padding plus masking
 #: makes the loss independent of how sequences are batched; evaluation draws no random numbers on the device):
-#: rules evaluate's, evaluate_pretrained's and audit_score's `untracked` param (userdp.rule_params), so changing
-#: them reruns nothing (tests/test_rerun_triggers.py, tests/test_eval_metrics.py).
+#: rules evaluate's, evaluate_pretrained's and audit_score's scripts read them from the config (userdp.untracked),
+#: not as params, so changing them reruns nothing (tests/test_rerun_triggers.py, tests/test_eval_metrics.py).
 EVALUATE_UNTRACKED_KEYS = ("evaluation.batch_size", "training.device")
 
 #: The held-out splits an evaluation can score (training users are never evaluated).

@@ -10,8 +10,8 @@ tokens, tokenizer, base model), its wildcards (cell, learning rate) and:
 - the model spec (targets.model_spec).
 
 Everything derives from that list: rule finetune's `settings` param
-(targets.finetune_params; the keys a run reads that change no result are
-its `untracked` param, targets.finetune_untracked), the checkpoint fingerprint of a run
+(targets.finetune_params; the keys a run reads that change no result it
+reads from the config, targets.finetune_untracked), the checkpoint fingerprint of a run
 (`TrainSettings.result_settings`, plus the seeds and digests of the base
 model and the pool in engine.run_fingerprint), and TrainSettings' fields.
 

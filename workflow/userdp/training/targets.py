@@ -14,7 +14,6 @@ from ..errors import ConfigError
 from ..layout import sorted_dict
 from ..privacy import seed_secrecy
 from ..privacy.selection import one_job
-from ..rule_params import Untracked, untracked
 from .settings import EXECUTION_TRAINING_KEYS, RESULT_TRAINING_KEYS
 
 # The files rule `pretrain` writes (weights, config).
@@ -212,11 +211,6 @@ def finetune_params(config: dict, dataset: str) -> dict[str, Any]:
 FINETUNE_UNTRACKED_KEYS = tuple(f"training.{k}" for k in EXECUTION_TRAINING_KEYS)
 
 
-def finetune_untracked(config: Mapping) -> Untracked:
-    """Rule finetune's `untracked` param: what a run reads that changes no result (no rerun trigger)."""
-    return untracked(config, *FINETUNE_UNTRACKED_KEYS)
-
-
 def pretrain_config(settings: Mapping) -> dict[str, Any]:
     """The config sections userdp.training.pretrain.pretrain reads, from rule pretrain's `settings` param
     (pretrain_params)."""
@@ -226,8 +220,9 @@ def pretrain_config(settings: Mapping) -> dict[str, Any]:
 
 def finetune_config(settings: Mapping, untracked_keys: Mapping, learning_rates: Iterable[float]) -> dict[str, Any]:
     """The config sections a fine-tuning job reads (finetune_job.run_job and train_run, TrainSettings.from_config),
-    from rule finetune's params: `settings` (finetune_params), `untracked` (finetune_untracked) and
-    `learning_rates`. The base model itself is the rule's `model` param; privacy.secret_seeds is the value
+    from rule finetune's params, `settings` (finetune_params) and `learning_rates`, and `untracked_keys`
+    (`userdp.untracked.untracked` of FINETUNE_UNTRACKED_KEYS).
+    The base model itself is the rule's `model` param; privacy.secret_seeds is the value
     resolved for the job's dataset (seed_secrecy.secret_seeds returns it as is)."""
     return {
         "seed": int(settings["seed"]),
