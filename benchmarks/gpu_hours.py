@@ -148,7 +148,7 @@ def main() -> None:
         rule = "finetune_group" if cell.group_size else "finetune"
         kind = "nonprivate" if math.isinf(cell.epsilon) else cell.method
         hours = cell.compute * sec[kind] / 3600
-        longest = max(longest, (hours + args.job_overhead_min / 60) * per_job)
+        longest = max(longest, (hours + args.job_overhead_min / 60) * per_job)  # evaluation added below
         r = rows[(rule, kind if kind == "nonprivate" else f"{kind} (private)")]
         r["jobs"] += len(lrs) // per_job
         r["examples"] += cell.compute * len(lrs)
@@ -161,7 +161,9 @@ def main() -> None:
     eval_examples = len(evaluated_splits(config, selects=len(lrs) > 1)) * max_users * args.eval_examples_per_user
     eval_h = eval_examples * f_eval / achieved / 3600
     n_pre = len(config["grid"]["datasets"] or config["datasets"])
-    rows[("evaluate", "forward only")] = {"jobs": n_jobs, "examples": eval_examples * n_runs, "hours": eval_h * n_runs}
+    # each fine-tuning job evaluates its runs (no jobs of its own)
+    rows[("finetune", "evaluation, forward only")] = {"jobs": 0, "examples": eval_examples * n_runs,
+                                                      "hours": eval_h * n_runs}
     pre_examples = len(evaluated_splits(config, selects=False)) * max_users * args.eval_examples_per_user
     pre_h = pre_examples * f_eval / achieved / 3600
     rows[("evaluate_pretrained", "forward only")] = {"jobs": n_pre, "examples": pre_examples * n_pre,
@@ -174,14 +176,15 @@ def main() -> None:
     print("| rule | runs | jobs | examples (M) | GPU hours |")
     print("| --- | --- | ---: | ---: | ---: |")
     total = 0.0
-    order = ["finetune", "finetune_group", "evaluate", "evaluate_pretrained"]
+    order = ["finetune", "finetune_group", "evaluate_pretrained"]
     for (rule, kind), r in sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
         total += r["hours"]
         print(f"| {rule} | {kind} | {int(r['jobs'])} | {r['examples'] / 1e6:,.1f} | {r['hours']:,.1f} |")
     print(f"| **total** | | | | **{total:,.0f}** |")
     print()
-    print(f"longest single fine-tuning job: {longest:.1f} h (resources.finetune_runtime: "
-          f"{finetune_runtime(config) / 60:.0f} h); one evaluate job: {eval_h * per_job * 60:.0f} min")
+    longest += eval_h * per_job
+    print(f"longest single fine-tuning job: {longest:.1f} h (its runtime resource: "
+          f"{finetune_runtime(config) / 60:.0f} h), of it evaluation {eval_h * per_job * 60:.0f} min")
     if args.memory:
         lora_n = lora_param_count(args.n_layer, args.n_embd, args.lora, args.intermediate) if args.lora else None
         micro = int(config["training"]["physical_batch_size"])

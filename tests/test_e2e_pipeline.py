@@ -190,3 +190,31 @@ def test_random_stopping_cell_in_a_real_run(run, tmp_path):
     # no benchmark file: the job's wall time would reveal the number of runs K (docs/privacy.md)
     benchmarks = work / "results" / "benchmarks"
     assert benchmarks.is_dir() and not list(benchmarks.rglob("*random_stopping*"))
+
+
+def test_an_evaluation_change_rescores_runs_without_training_them(run, tmp_path):
+    """Each fine-tuning job evaluates its runs, so an evaluation setting reruns it: the job restores each finished
+    run from its finished/ record (same model and ledger, byte for byte; no step trained) and scores it again."""
+    import shutil
+
+    work = tmp_path / "ev"
+    shutil.copytree(run, work, symlinks=True)
+    cell = work / "results/runs/tiny/method~els/eps~4/budget~960/seed~0"
+    runs = sorted(cell.glob("lr~*"))
+    before = {p: p.read_bytes() for r in runs for p in (r / "ledger.json", r / "model" / "model.safetensors")}
+    extra = tmp_path / "ev.yaml"
+    extra.write_text("evaluation:\n  max_users: 7\n")
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(work),
+           "--configfile", str(CONFIG), str(extra), "--replace-workflow-config", "--cores", "2",
+           str(cell.relative_to(work) / "metrics.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "rule finetune:" in out and "rule pretrain" not in out and "rule plan:" not in out
+    log = (work / "results/logs/finetune/tiny/method~els/eps~4/budget~960/seed~0.log").read_text()
+    last = log.rsplit("===== attempt started", 1)[-1]  # (the restore appends the finished attempt's lines)
+    assert last.count("restored the finished outputs") == len(runs)
+    assert {p: p.read_bytes() for p in before} == before
+    for r in runs:
+        assert load(r / "eval.json")["test_n_users"] == 7
+    assert load(cell / "metrics.json")["test_n_users"] == 7

@@ -2,7 +2,9 @@
 
 Runs only this stage's rules (--allowed-rules), so the hand-built tokens,
 plans, pretrained model and per-learning-rate runs stand in for the data,
-plan and training stages.
+plan and training stages; each run's eval.json and eval_users.parquet are
+written as its fine-tuning job writes them (userdp.evaluation.metrics.evaluate_runs,
+with rule finetune's `evaluation` param).
 """
 
 import json
@@ -18,12 +20,14 @@ import yaml
 
 from eval_builders import plan_record, tiny_gpt2, tokens_table
 from userdp.config import validate_config
+from userdp.evaluation.metrics import evaluate_runs
+from userdp.evaluation.targets import evaluation_params
 from userdp.layout import fmt_num, iter_cells
 from userdp.io import read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
-RULES = ["evaluation", "evaluate", "evaluate_pretrained", "select_lr", "aggregate", "plot_lm_loss_vs_epsilon",
+RULES = ["evaluation", "evaluate_pretrained", "select_lr", "aggregate", "plot_lm_loss_vs_epsilon",
          "plot_lm_loss_vs_budget", "plot_lm_loss_vs_group_size", "plot_training_curves", "plot_lm_uls_minus_els",
          "groups", "plot_groups_cost", "plot_groups_gap_vs_examples"]
 
@@ -60,6 +64,11 @@ def build_inputs(root: Path) -> dict:
             pd.DataFrame({"step": range(1, 7), "loss": [4.5 - 0.1 * s - j for s in range(6)],
                           "update_signal_norm": [2.0 - 0.1 * s - j for s in range(6)]}).to_parquet(
                 run / "train_log.parquet")
+        # what rule finetune's job does after training: each run's model scored on held-out users
+        ev = evaluation_params(cfg)
+        runs = [(lr, str(root / cell.run_dir / f"lr~{fmt_num(lr)}")) for lr in cfg["training"]["learning_rates"]]
+        evaluate_runs(runs, root / "results/data/toy/tokens.parquet", dataset="toy", root_seed=ev["seed"],
+                      max_users=ev["max_users"], batch_size=4, device="cpu", splits=ev.get("splits", ("validation", "test")))
     (root / "extra.yaml").write_text(yaml.safe_dump(CONFIG))
     return cfg
 

@@ -275,5 +275,5 @@ def test_dry_run_schedules_one_job_per_private_cell_and_no_learning_rate_runs(tm
     # the default grid at one budget: 2 methods x 2 finite epsilons private cells, 2 eps~inf references with 2 rates
     # each (one finetune job per reference cell trains both)
     assert counts["random_stopping"] == 4, res.stdout
-    assert counts["select_lr"] == 2 and counts["finetune"] == 2 and counts["evaluate"] == 2, res.stdout
+    assert counts["select_lr"] == 2 and counts["finetune"] == 2 and "evaluate" not in counts, res.stdout
     assert "finetune_group" not in counts

@@ -42,7 +42,7 @@ TINY = REPO / "tests" / "configs" / "tiny.yaml"
 
 # Rules downstream of a fine-tuning run (what a training change must rerun).
 AFTER_FINETUNE = {
-    "finetune", "finetune_group", "evaluate", "select_lr", "aggregate",
+    "finetune", "finetune_group", "select_lr", "aggregate",
     "plot_lm_loss_vs_budget", "plot_lm_loss_vs_epsilon", "plot_lm_loss_vs_group_size", "plot_training_curves",
     "plot_lm_uls_minus_els", "findings", "groups", "plot_groups_cost", "plot_groups_gap_vs_examples",
 }
@@ -161,10 +161,12 @@ def plans(tmp_path_factory):
 
 
 @pytest.mark.integration
-def test_scoring_validation_users_reruns_evaluation_not_training(plans):
+def test_scoring_validation_users_reruns_evaluation_not_planning(plans):
+    """The fine-tuning jobs evaluate their runs, so they rerun (restoring each finished run from its finished/
+    record, tests/test_train_finished.py, and scoring it again); no plan and no pretraining reruns."""
     jobs, _ = plans["validation_always"]
-    assert jobs["evaluate"] == 6 and jobs["evaluate_pretrained"] == 1, jobs
-    assert not {"finetune", "finetune_group", "plan", "plan_group_sweep", "pretrain"} & set(jobs), jobs
+    assert jobs["finetune"] == 4 and jobs["finetune_group"] == 2 and jobs["evaluate_pretrained"] == 1, jobs
+    assert not {"plan", "plan_group_sweep", "pretrain"} & set(jobs), jobs
 
 
 @pytest.mark.integration
@@ -187,7 +189,7 @@ def test_optimizer_reruns_every_finetune_and_only_what_follows(plans):
 @pytest.mark.integration
 def test_device_reruns_training_but_not_evaluation_of_the_pretrained_model(plans):
     jobs, _ = plans["device"]
-    assert set(jobs) == AFTER_FINETUNE  # evaluate reruns only because its model is retrained
+    assert set(jobs) == AFTER_FINETUNE
 
 
 @pytest.mark.integration
@@ -254,7 +256,7 @@ def test_the_number_of_learning_rates_replans_every_cell_in_composed_mode(plans)
     jobs, outputs = plans["more_learning_rates"]
     assert jobs["plan"] == 4 and jobs["plan_group_sweep"] == 2
     # the old rate's runs retrain (their plans changed) and the new rate's are added: one job per cell trains both
-    assert jobs["finetune"] == 4 and jobs["finetune_group"] == 2 and jobs["evaluate"] == 6
+    assert jobs["finetune"] == 4 and jobs["finetune_group"] == 2
     for lr in ("0.003", "0.01"):
         assert len([o for o in outputs if o.endswith(f"/lr~{lr}/ledger.json")]) == 6, outputs
 

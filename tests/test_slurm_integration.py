@@ -208,7 +208,7 @@ def test_tiny_pipeline_through_slurm_equals_local_run(slurm_cluster, tmp_path):
 
     # Every job but the download went through sbatch, exactly once.
     stats = _job_stats(log)
-    assert {"prepare_data", "plan", "pretrain", "finetune", "evaluate", "select_lr"} <= set(stats), stats
+    assert {"prepare_data", "plan", "pretrain", "finetune", "select_lr"} <= set(stats), stats
     assert _local_rules(log) == ["download_data"] * stats["download_data"]
     subs = _submissions(log)
     assert {rule: len(ids) for rule, ids in subs.items()} == {r: n for r, n in stats.items() if r != "download_data"}

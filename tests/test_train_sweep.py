@@ -91,7 +91,9 @@ def test_the_outputs_of_one_finetune_job_are_every_rates_run_folder_or_one_per_r
     dirs = lr_dirs(template, cfg)
     assert dirs == [f"results/runs/{{dataset}}/method~{{method}}/seed~{{seed}}/lr~{fmt_num(lr)}" for lr in rates]
     outputs = sweep_outputs(template, cfg)
-    assert len(outputs) == 8  # ledger, log, weights, config per rate
+    assert len(outputs) == 12  # ledger, log, weights, config, eval.json, eval_users.parquet per rate
+    assert [o.rsplit("/", 1)[1] for o in outputs[:6]] == ["ledger.json", "train_log.parquet", "model.safetensors",
+                                                          "config.json", "eval.json", "eval_users.parquet"]
     assert sweep_runs(outputs, "ledger.json", rates) == list(zip(rates, dirs))
     assert rates_per_job(cfg) == 2
 

@@ -1,6 +1,6 @@
-# Evaluation stage: next-token metrics of every fine-tuned run (one job per
-# cell evaluates each learning rate's run, or one per run: training.sweep_jobs)
-# and of the pretrained model, learning-rate selection on
+# Evaluation stage: next-token metrics of the pretrained model (those of every
+# fine-tuned run are written by its fine-tuning job, rule finetune: eval.json
+# and eval_users.parquet in the run folder), learning-rate selection on
 # validation users, and the per-dataset summary table.
 #
 # Validation and test users are disjoint from the training users (their data
@@ -16,7 +16,7 @@ from functools import partial
 import userdp.evaluation.targets as eval_targets
 from userdp import layout
 from userdp.plotting.registry import figure_targets
-from userdp.training.targets import base_model, finetune_params, per_cell_jobs, rates_per_job
+from userdp.training.targets import base_model, finetune_params
 
 evaluation_targets = partial(eval_targets.evaluation_targets, config)
 
@@ -30,38 +30,6 @@ _EVAL_PARAMS = dict(
 )
 
 
-rule evaluate:
-    input:
-        model=lambda wc: eval_targets.job_model_files(config, wc),
-        tokens=layout.TOKENS,
-    output:
-        # the eval.json and eval_users.parquet (each test user's scores) of each run the job evaluates: every
-        # learning rate of the cell in turn (training.sweep_jobs: per_cell, one start-up), or one run ({lr}; per_run)
-        eval_targets.job_eval_outputs(config),
-    wildcard_constraints:
-        cell=layout.CELL_RE,
-    params:
-        local_model=True,
-        learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
-        # validation users only where the cell chooses among several rates (evaluation.validation)
-        **eval_targets.split_params(config, selects=len(config["training"]["learning_rates"]) > 1),
-        **_EVAL_PARAMS,
-    log:
-        layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN,
-    benchmark:
-        layout.benchmark_of(layout.LOG_EVALUATE if per_cell_jobs(config) else layout.LOG_EVALUATE_RUN),
-    threads: config["training"]["threads"]
-    priority: PRIORITY["evaluate"]
-    resources:
-        mem_mb=config["evaluation"]["mem_mb"],
-        runtime=config["evaluation"]["runtime"] * rates_per_job(config),
-        gpu=min(1, config["training"]["gpus"]),
-    conda:
-        "../envs/userdp.yaml"
-    script:
-        "../scripts/evaluate.py"
-
-
 rule evaluate_pretrained:
     input:
         model=eval_targets.pretrained_model_files(config),
@@ -73,7 +41,6 @@ rule evaluate_pretrained:
         # the local folder of the pretrained model, or the hub name in model.name
         model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
         local_model=not config["model"]["name"],
-        learning_rate=None,
         **eval_targets.split_params(config, selects=False),
         **_EVAL_PARAMS,
     log:
@@ -89,7 +56,7 @@ rule evaluate_pretrained:
     conda:
         "../envs/userdp.yaml"
     script:
-        "../scripts/evaluate.py"
+        "../scripts/evaluate_pretrained.py"
 
 
 rule select_lr:

@@ -1,11 +1,13 @@
 # Training stage: pretrain the small base model (rule pretrain), then one DP
 # fine-tuning job per grid cell (rule finetune, and finetune_group for G-sweep
 # cells) that trains every learning rate of training.learning_rates in turn,
-# each into its own run folder (userdp.layout.RUN_DIR): one process start-up
-# (imports, base model, data) per cell instead of per run. With
+# each into its own run folder (userdp.layout.RUN_DIR), and evaluates each
+# run's model on held-out users: one process start-up (imports, base model,
+# data) per cell instead of one per run and evaluation. With
 # training.sweep_jobs: per_run, a job per run folder instead ({lr} wildcard).
 # Targets: userdp.training.targets.train_targets(config).
 from userdp import layout
+from userdp.evaluation.targets import evaluation_params
 from userdp.training.targets import (
     PRETRAINED_FILES,
     base_model,
@@ -60,7 +62,8 @@ rule finetune:
     input:
         unpack(lambda wildcards: finetune_inputs(config, wildcards)),
     output:
-        # the ledger, train log and model of each run the job trains (userdp.training.targets.sweep_outputs)
+        # the ledger, train log and model of each run the job trains, and its evaluation on held-out users
+        # (eval.json, eval_users.parquet: userdp.training.targets.sweep_outputs)
         sweep_outputs(layout.FINETUNE_RUN_DIR, config),
     params:
         # every rate (the same in both sweep_jobs modes, so switching reruns nothing); the job trains those of
@@ -69,6 +72,10 @@ rule finetune:
         learning_rates=[float(lr) for lr in learning_rate_texts(config)],
         model=base_model(config),
         settings=lambda wildcards: finetune_params(config, wildcards.dataset),
+        # what changes the metrics: which held-out users (max_users, seed) and splits (validation users only
+        # where the cell chooses among several rates: evaluation.validation); changing it reruns the job, which
+        # restores its finished runs and evaluates them again
+        evaluation=evaluation_params(config),
     log:
         layout.LOG_FINETUNE if per_cell_jobs(config) else layout.LOG_FINETUNE_RUN,
     benchmark:
@@ -79,7 +86,7 @@ rule finetune:
     # the script runs the job as that many data-parallel processes (torchrun,
     # one GPU each; userdp.training.distributed), sharing `threads`.
     resources:
-        mem_mb=config["resources"]["finetune_mem_mb"],
+        mem_mb=max(config["resources"]["finetune_mem_mb"], config["evaluation"]["mem_mb"]),
         runtime=finetune_runtime(config),
         gpu=config["training"]["gpus"],
         cpus_per_gpu=config["training"]["threads"],

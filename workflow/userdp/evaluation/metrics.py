@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ..data.chat import LOSS_MASK, loss_masks
 from ..errors import DataError
-from ..io import read_schema, write_parquet
+from ..io import read_schema, write_json, write_parquet
+from ..layout import EVAL, EVAL_USERS, RUN_MODEL
 from ..seeding import derive_seed_crc32
 from ..training.models import load_model, resolve_device
 from .targets import EVAL_SPLITS, USER_SCORE_COLUMNS
@@ -286,3 +287,26 @@ def evaluate_models(
         results.append(out)
         del model
     return results
+
+
+def evaluate_runs(
+    runs: Sequence[tuple[float, str | os.PathLike]],
+    tokens_path: str | os.PathLike,
+    *,
+    dataset: str,
+    root_seed: int,
+    max_users: int | None,
+    batch_size: int,
+    device: str = "auto",
+    splits: Sequence[str] = EVAL_SPLITS,
+) -> None:
+    """Evaluate the fine-tuned model of each (learning rate, run folder) of a job (`evaluate_models`) and write
+    the folder's eval.json (the metrics, the model folder and the rate) and eval_users.parquet (each test user's
+    scores)."""
+    folders = [Path(run_dir) for _, run_dir in runs]
+    models = [str(d / RUN_MODEL) for d in folders]
+    results = evaluate_models(models, tokens_path, dataset=dataset, root_seed=root_seed, max_users=max_users,
+                              batch_size=batch_size, device=device, local_model=True, splits=splits,
+                              users_out=[str(d / EVAL_USERS) for d in folders])
+    for (rate, _), folder, model, result in zip(runs, folders, models, results, strict=True):
+        write_json(str(folder / EVAL), {**result, "model": model, "learning_rate": float(rate)})

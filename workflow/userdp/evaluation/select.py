@@ -93,8 +93,9 @@ def select(evals: Mapping[float, dict]) -> dict:
         stale = [fmt_num(lr) for lr, ev in sorted(evals.items()) if "validation_loss" not in ev]
         if stale:
             raise DataError(f"eval.json of learning rate(s) {stale} has no validation_loss, which choosing among "
-                            f"{len(evals)} rates needs (an evaluation from a one-rate config); rerun the evaluate rule "
-                            "(snakemake --forcerun evaluate).")
+                            f"{len(evals)} rates needs (an evaluation from a one-rate config); rerun the cell's fine-tuning "
+                            "job, which evaluates its runs (snakemake --forcerun finetune finetune_group; finished "
+                            "runs are restored, not trained again).")
     losses = {lr: _as_float(ev.get("validation_loss")) for lr, ev in evals.items()}
     best = choose_learning_rate(losses)
     if any("validation_loss" in ev for ev in evals.values()) and not any(math.isfinite(v) for v in losses.values()):
@@ -103,7 +104,8 @@ def select(evals: Mapping[float, dict]) -> dict:
     # validation_loss is checked above where there is a choice; one rate may have skipped validation users
     missing = [k for k in ("test_loss",) if k not in chosen]
     if missing:
-        raise DataError(f"eval.json of learning rate {fmt_num(best)} lacks {missing}; rerun the evaluate rule.")
+        raise DataError(f"eval.json of learning rate {fmt_num(best)} lacks {missing}; rerun the cell's "
+                        "fine-tuning job, which evaluates its runs (snakemake --forcerun finetune finetune_group).")
     out = {k: chosen[k] for k in REPORTED if k in chosen}
     out["learning_rate"] = best
     out["selection"] = ("lowest validation_loss (token micro-average) on validation users" if len(evals) > 1

@@ -40,39 +40,23 @@ def evaluated_splits(config: Mapping, *, selects: bool) -> list[str]:
 
 
 def split_params(config: Mapping, *, selects: bool) -> dict[str, list[str]]:
-    """The evaluate rules' `splits` param: absent where both splits are scored (as before the key existed), so
-    upgrading reruns only the evaluations whose splits change (scripts/evaluate.py reads the default)."""
+    """The evaluations' `splits` entry: absent where both splits are scored (as before the key existed), so
+    upgrading reruns only the evaluations whose splits change (the scripts read the default)."""
     splits = evaluated_splits(config, selects=selects)
     return {} if splits == list(EVAL_SPLITS) else {"splits": splits}
+
+
+def evaluation_params(config: Mapping) -> dict:
+    """Rule finetune's `evaluation` param, what changes its runs' metrics besides their models and the tokens:
+    which held-out users (evaluation.max_users, the config seed) and which splits (`split_params`: validation
+    users where the cell chooses among several learning rates)."""
+    return {"max_users": config["evaluation"]["max_users"], "seed": config["seed"],
+            **split_params(config, selects=len(config["training"]["learning_rates"]) > 1)}
 
 
 def run_file(dataset: str, cell: str, lr: str, name: str) -> str:
     """File `name` of the run folder (layout.RUN_DIR) of one learning rate of a cell."""
     return f"{layout.RUN_DIR.format(dataset=dataset, cell=cell, lr=lr)}/{name}"
-
-
-def run_model_files(config: Mapping, dataset: str, cell: str, lr: str) -> list[str]:
-    """The fine-tuned model files (or LoRA adapter files) the training rule writes for one learning rate."""
-    from ..training.targets import run_model_files as model_folder_files
-
-    return model_folder_files(run_file(dataset, cell, lr, layout.RUN_MODEL), config)
-
-
-def job_eval_outputs(config: Mapping) -> list[str]:
-    """Rule evaluate's outputs: the eval.json and the per-user test scores (eval_users.parquet) of each run folder
-    one job evaluates (training.sweep_jobs)."""
-    from ..training.targets import lr_dirs
-
-    return [f"{d}/{name}" for d in lr_dirs(layout.RUN_DIR, config) for name in (layout.EVAL, layout.EVAL_USERS)]
-
-
-def job_model_files(config: Mapping, wildcards: Mapping) -> list[str]:
-    """Rule evaluate's model inputs: the model files of each run folder of the job, in order."""
-    from ..training.targets import lr_dirs, run_model_files as model_folder_files
-
-    w = dict(wildcards.items())
-    return [f for d in lr_dirs(layout.RUN_DIR, config)
-            for f in model_folder_files(f"{d.format(**w)}/{layout.RUN_MODEL}", config)]
 
 
 def cell_user_scores(config: Mapping, dataset: str) -> list[str]:

@@ -65,15 +65,16 @@ def lr_dirs(run_dir: str, config: dict) -> list[str]:
 
 
 def sweep_outputs(run_dir: str, config: dict) -> list[str]:
-    """The outputs of one job of rule `finetune`: `run_outputs` of each of its run folders (`lr_dirs`), in order."""
-    return [path for d in lr_dirs(run_dir, config) for path in run_outputs(d, config).values()]
+    """The outputs of one job of rule `finetune`, run folder by run folder (`lr_dirs`, in order): its
+    `run_outputs` and its evaluation on held-out users (eval.json, eval_users.parquet)."""
+    return [path for d in lr_dirs(run_dir, config)
+            for path in [*run_outputs(d, config).values(), f"{d}/{layout.EVAL}", f"{d}/{layout.EVAL_USERS}"]]
 
 
 def sweep_runs(outputs: list[str], name: str, learning_rates: list[float]) -> list[tuple[float, str]]:
     """(learning rate, run folder) of each run a job writes, in order, from its outputs named `name`.
 
-    name: the file that marks a run in the outputs (layout.LEDGER for rule finetune, layout.EVAL for
-    evaluate); the rate is the one of `learning_rates` whose path text is the folder's `lr~...`.
+    name: the file that marks a run in the outputs (layout.LEDGER for rule finetune); the rate is the one of `learning_rates` whose path text is the folder's `lr~...`.
     """
     by_text = {layout.fmt_num(lr): float(lr) for lr in learning_rates}
     runs = []
@@ -89,8 +90,10 @@ def sweep_runs(outputs: list[str], name: str, learning_rates: list[float]) -> li
 
 
 def finetune_runtime(config: dict) -> int:
-    """Minutes for one job of rule finetune: resources.finetune_runtime per learning rate it trains."""
-    return int(config["resources"]["finetune_runtime"]) * rates_per_job(config)
+    """Minutes for one job of rule finetune: resources.finetune_runtime plus evaluation.runtime per learning rate
+    it trains and evaluates."""
+    return (int(config["resources"]["finetune_runtime"]) + int(config["evaluation"]["runtime"])) \
+        * rates_per_job(config)
 
 
 def run_dirs(config: dict) -> list[str]:
