@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     import userdp
-    from userdp.training import engine, models
+    from userdp.training import engine, models, run_seeds
     from userdp.training.pool import build_pool
     from userdp.training.private import PrivateTraining
     from userdp.training.settings import TrainSettings
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         pool = build_pool(table, spec.group_size, seed=0)
         settings = TrainSettings(learning_rate=1e-3, physical_batch_size=max(64, spec.group_size),
                                  sequence_length=args.seq, device="cpu", log_every_s=1e9)
-        seeds = engine.run_seeds(0, 0, "bench", method, "4", args.batch * total, spec.group_size, 1e-3)
+        seeds = run_seeds.run_seeds(0, 0, "bench", method, "4", args.batch * total, spec.group_size, 1e-3)
         model_a, model_b = copy.deepcopy(base), copy.deepcopy(base)
         run = engine.setup(model_a, pool, spec, settings, None, seeds, 0)
         dp = PrivateTraining(model_b, torch.optim.Adam([p for p in model_b.parameters() if p.requires_grad],

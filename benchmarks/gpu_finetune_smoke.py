@@ -148,7 +148,7 @@ def summarise(frame: Any, warmup: int) -> dict[str, Any]:
 def run_one(method: str, args: argparse.Namespace, train: pa.Table, calibrate: Callable[..., Any] | None,
             n_train_users: int) -> dict[str, Any]:
     """Build a fresh model and pool, train `args.steps` steps of `method`, return its figures."""
-    from userdp.training import engine
+    from userdp.training import engine, run_seeds, run_state
     from userdp.training.models import build_model
     from userdp.training.pool import build_pool
     from userdp.training.settings import TrainSettings
@@ -168,7 +168,7 @@ def run_one(method: str, args: argparse.Namespace, train: pa.Table, calibrate: C
         sequence_length=seq, checkpoint_every=10**9, device=args.device,
         precision="bf16" if args.bf16 else "fp32", log_every_s=5.0,
     )
-    seeds = engine.run_seeds(0, 0, "smoke", method, str(args.epsilon), expected_ex * args.steps, G)
+    seeds = run_seeds.run_seeds(0, 0, "smoke", method, str(args.epsilon), expected_ex * args.steps, G)
     if args.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -187,7 +187,7 @@ def run_one(method: str, args: argparse.Namespace, train: pa.Table, calibrate: C
              method, n_params / 1e6, G, pool.n_examples, pool.n_users, plan["sampling_rate"], expected,
              "users" if method == "uls" else "examples", plan["noise_multiplier"])
     t0 = time.perf_counter()
-    out = engine.train(model, pool, plan, settings, engine.RunPaths(run_dir), seeds, PAD,
+    out = engine.train(model, pool, plan, settings, run_state.RunPaths(run_dir), seeds, PAD,
                        compute_epsilon=None if calibrate is not None else nan_epsilon)
     if args.device == "cuda":
         torch.cuda.synchronize()

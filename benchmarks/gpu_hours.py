@@ -34,7 +34,7 @@ import math
 from collections import defaultdict
 
 from userdp.config import load_config
-from userdp.layout import iter_cells
+from userdp.grid import iter_cells
 from userdp.training.targets import finetune_runtime, rates_per_job
 
 

@@ -13,7 +13,7 @@ on a CPU, to show where the one-run bound would catch it.
 
     PYTHONPATH=workflow .venv/bin/python benchmarks/mechanism_audit_power.py [--quick]
 
-Prints a Markdown table (docs/privacy.md, "White-box audit of the mechanism").
+Prints a Markdown table (docs/audits.md, "White-box audit of the mechanism").
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ def aggregate_cells(tmp_path):
     from userdp.config import validate_config
     from userdp.evaluation.targets import summary_inputs
     from userdp.io import write_json
-    from userdp.layout import iter_cells
+    from userdp.grid import iter_cells
 
     config = validate_config({
         "datasets": {"toy": {"source": "synthetic"}},
@@ -256,7 +256,7 @@ def train_stage(tmp_path):
     from privacy_helpers import epsilon_of
     from train_fixtures import make_tokenizer, public_tokens_table, tokens_table
     from userdp.config import validate_config
-    from userdp.layout import iter_cells
+    from userdp.grid import iter_cells
     from userdp.privacy.spec import RunSpec
     from userdp.training.pool import build_pool
 

@@ -135,7 +135,8 @@ def _text_values(text: str, out: Values) -> None:
         is_int = re.fullmatch(r"\d+", mantissa) is not None
         digits = len(mantissa.replace(".", "").lstrip("0")) or 1
         out.numbers.append((v, None if is_int else digits))
-        run.append(int(v) if is_int else -1)
+        # a whole number past int64 ("677e54" inside a hex digest) is no count either
+        run.append(int(v) if is_int and abs(v) < 2 ** 63 else -1)
     out.sequences.append(run)
 
 

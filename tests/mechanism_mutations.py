@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from userdp.evaluation import mechanism_audit
-from userdp.training import clipping, engine, noise
+from userdp.training import clipping, engine, noise, step
 
 #: Accounting with the sampling rate divided by this (mutation "accounting_rate").
 RATE_FACTOR = 4.0
@@ -96,7 +96,7 @@ def noise_on_every_rank() -> Iterator[None]:
             p.grad.div_(self.expected)
         return sums
 
-    with _patched(engine.DPStep, "privatize", privatize):
+    with _patched(step.DPStep, "privatize", privatize):
         yield
 
 
@@ -113,7 +113,7 @@ def divide_by_realised_size() -> Iterator[None]:
         finally:
             self.expected = expected
 
-    with _patched(engine.DPStep, "__call__", call):
+    with _patched(step.DPStep, "__call__", call):
         yield
 
 

@@ -14,7 +14,7 @@ import torch
 from train_fixtures import plan_for, run_settings, tiny_model, train_pool
 from userdp.errors import ConfigError
 from userdp.privacy.spec import PRIVATE_SIZES
-from userdp.training import engine
+from userdp.training import engine, run_seeds, step
 from userdp.training.optim import ADAM_BC_FLOOR, AdamBC, make_optimizer
 
 
@@ -82,7 +82,7 @@ def test_a_missing_noise_std_and_bad_settings_are_refused():
 def test_the_engine_gives_it_the_updates_noise(method, sigma, clip, tmp_path):
     pool = train_pool(30, seed=1)
     plan = plan_for(pool, method, expected=4.0, steps=3, sigma=sigma, clip=clip)
-    seeds = engine.run_seeds(0, 0, "tiny", method, "8", 12, 3, 1e-2, secret=False)
+    seeds = run_seeds.run_seeds(0, 0, "tiny", method, "8", 12, 3, 1e-2, secret=False)
     run = engine.setup(tiny_model(), pool, plan, run_settings(optimizer="adam_bc"), None, seeds, 0)
     opt = run.state.optimizer
     n = pool.n_examples if method == "els" else pool.n_users
@@ -104,9 +104,9 @@ def test_the_subtracted_variance_is_the_variance_of_the_noise_the_update_holds(p
         stats = {"private": True, "dp_event": {"type": "LaplaceDpEvent", "noise_multiplier": 5.0}}
         plan = dataclasses.replace(plan, planning_sizes=PRIVATE_SIZES, expected_batch=5.5, contribution_stats=stats)
     seen = []
-    seeds = engine.run_seeds(0, 0, "tiny", "uls", "8", 12, 3, 1e-2, secret=False)
+    seeds = run_seeds.run_seeds(0, 0, "tiny", "uls", "8", 12, 3, 1e-2, secret=False)
     run = engine.setup(tiny_model(), pool, plan, run_settings(optimizer="adam_bc"), None, seeds, 0,
-                       hook=engine.Observer(seen.append))
+                       hook=step.Observer(seen.append))
     run.advance()
     run.advance()
     noise = torch.cat([n.flatten() for o in seen for n in o.noise]).double() / run.step.expected

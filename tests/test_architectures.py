@@ -104,7 +104,7 @@ def test_a_saved_checkpoint_trains_with_lora_and_reloads_merged(arch, pool, tmp_
     """The user's way in: a folder saved with save_pretrained, loaded by the pipeline's loader, LoRA applied,
     trained by the real engine (real clipping, noise), the adapter saved and reloaded merged on its base."""
     from train_fixtures import SEQ, plan_for
-    from userdp.training import engine
+    from userdp.training import engine, run_seeds, run_state
     from userdp.training.settings import TrainSettings
 
     from transformers import AutoModelForCausalLM
@@ -116,8 +116,8 @@ def test_a_saved_checkpoint_trains_with_lora_and_reloads_merged(arch, pool, tmp_
     plan = plan_for(pool, "uls", expected=3.0, steps=2, sigma=0.8, clip=0.5)
     settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, device="cpu",
                              log_every_s=0.0)
-    out = engine.train(model, pool, plan, settings, engine.RunPaths(tmp_path / "run"),
-                       engine.run_seeds(0, 0, "t", "uls", "8", 100, 3, 0.01), 0, compute_epsilon=lambda e, d: 1.0)
+    out = engine.train(model, pool, plan, settings, run_state.RunPaths(tmp_path / "run"),
+                       run_seeds.run_seeds(0, 0, "t", "uls", "8", 100, 3, 0.01), 0, compute_epsilon=lambda e, d: 1.0)
     assert out.complete and out.ledger["adapter"]["type"] == "lora"
     ids = torch.randint(3, 40, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -12,7 +12,7 @@ import pytest
 import scipy.stats
 
 from train_fixtures import tokens_table
-from userdp import layout
+from userdp import grid
 from userdp.config import load_config, validate_config
 from userdp.data import canaries as canaries_lib
 from userdp.errors import ConfigError, DataError
@@ -110,7 +110,7 @@ def test_audit_cells_and_targets():
     from userdp.plotting.registry import figure_targets
 
     cfg = load_config("config/config.yaml")
-    cells = list(layout.audit_cells(cfg))
+    cells = list(grid.audit_cells(cfg))
     assert {(c.method, c.epsilon) for c in cells} == {("els", 8.0), ("uls", 8.0), ("els", float("inf")),
                                                       ("uls", float("inf"))}
     b0 = cfg["grid"]["budgets"][0]  # audit.budget null: the grid's first budget
@@ -125,7 +125,7 @@ def test_audit_cells_and_targets():
     assert result_files(cfg, "synth")[0].startswith("results/audit/synth/scores/method~els/eps~8/budget~")
     nulls = copy.deepcopy(cfg)
     nulls["audit"].update(epsilons=None, budget={"compute": 500, "steps": 5}, nonprivate=False)
-    assert [(c.epsilon, c.compute, c.steps) for c in layout.audit_cells(nulls) if c.method == "els"] == [
+    assert [(c.epsilon, c.compute, c.steps) for c in grid.audit_cells(nulls) if c.method == "els"] == [
         (float(e), 500, 5) for e in cfg["grid"]["epsilons"]]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from userdp.errors import ConfigError
-from userdp.evaluation import audit, audit_targets
+from userdp.evaluation import audit, audit_stats, audit_targets
 
 
 @pytest.mark.parametrize("mu,eps", [(0.5, 0.0), (1.0, 1.0), (2.0, 3.0), (4.0, 8.0), (0.1, 0.2)])
@@ -26,31 +26,31 @@ def test_gdp_delta_matches_the_gaussian_mechanism_by_integration(mu, eps):
     p1 = np.exp(-(x - mu) ** 2 / 2) / math.sqrt(2 * math.pi)
     p0 = np.exp(-x ** 2 / 2) / math.sqrt(2 * math.pi)
     numeric = float(np.trapezoid(np.maximum(p1 - math.exp(eps) * p0, 0.0), x))
-    assert audit.gdp_delta(mu, eps) == pytest.approx(numeric, rel=1e-5, abs=1e-12)
+    assert audit_stats.gdp_delta(mu, eps) == pytest.approx(numeric, rel=1e-5, abs=1e-12)
 
 
 def test_gdp_mu_and_epsilon_invert_each_other():
     for eps, delta in ((0.5, 1e-5), (1.0, 1e-6), (8.0, 2.4e-5), (3.0, 1.3e-3)):
-        mu = audit.gdp_mu(eps, delta)
-        assert audit.gdp_delta(mu, eps) == pytest.approx(delta, rel=1e-6)
-        assert audit.gdp_epsilon(mu, delta) == pytest.approx(eps, rel=1e-6, abs=1e-9)
+        mu = audit_stats.gdp_mu(eps, delta)
+        assert audit_stats.gdp_delta(mu, eps) == pytest.approx(delta, rel=1e-6)
+        assert audit_stats.gdp_epsilon(mu, delta) == pytest.approx(eps, rel=1e-6, abs=1e-9)
     # more privacy (smaller mu) at a fixed delta is a smaller epsilon
-    assert audit.gdp_mu(1.0, 1e-5) < audit.gdp_mu(2.0, 1e-5)
-    assert audit.gdp_epsilon(0.01, 1e-2) == 0.0  # delta(0) of a tiny mu is already below 1e-2
+    assert audit_stats.gdp_mu(1.0, 1e-5) < audit_stats.gdp_mu(2.0, 1e-5)
+    assert audit_stats.gdp_epsilon(0.01, 1e-2) == 0.0  # delta(0) of a tiny mu is already below 1e-2
 
 
 def test_fdp_rejection_is_monotone_and_needs_evidence():
     m, r, level = 200, 60, 0.01
     mus = np.linspace(0.1, 6, 40)
-    rejected = [audit.fdp_rejects(mu, m, r, 55, level) for mu in mus]
+    rejected = [audit_stats.fdp_rejects(mu, m, r, 55, level) for mu in mus]
     assert rejected[0] and not rejected[-1]
     assert all(a >= b for a, b in zip(rejected, rejected[1:]))  # once accepted, accepted for every larger mu
-    assert not audit.fdp_rejects(0.1, m, r, 30, level)  # half right is what a coin gets
-    assert audit.epsilon_lower_bound_fdp(m, 40, 20, 1e-5, 0.05) == 0.0
-    eps = audit.epsilon_lower_bound_fdp(m, r, 55, 1e-5, level)
+    assert not audit_stats.fdp_rejects(0.1, m, r, 30, level)  # half right is what a coin gets
+    assert audit_stats.epsilon_lower_bound_fdp(m, 40, 20, 1e-5, 0.05) == 0.0
+    eps = audit_stats.epsilon_lower_bound_fdp(m, r, 55, 1e-5, level)
     assert eps > 0
-    assert audit.fdp_rejects(audit.gdp_mu(eps, 1e-5), m, r, 55, level)
-    assert not audit.fdp_rejects(audit.gdp_mu(eps + 1e-4, 1e-5), m, r, 55, level)
+    assert audit_stats.fdp_rejects(audit_stats.gdp_mu(eps, 1e-5), m, r, 55, level)
+    assert not audit_stats.fdp_rejects(audit_stats.gdp_mu(eps + 1e-4, 1e-5), m, r, 55, level)
 
 
 def _gaussian_trial(rng, m: int, mu: float) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +61,7 @@ def _gaussian_trial(rng, m: int, mu: float) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("eps_true", [1.0, 4.0])
 def test_fdp_bound_never_exceeds_a_simulated_gaussian_mechanism_and_beats_the_eps_delta_bound(eps_true):
     delta, m, trials = 1e-5, 400, 40
-    mu = audit.gdp_mu(eps_true, delta)
+    mu = audit_stats.gdp_mu(eps_true, delta)
     rng = np.random.default_rng(int(eps_true * 10))
     fdp, one_run = [], []
     for _ in range(trials):
@@ -87,16 +87,16 @@ def test_fdp_bound_is_valid_for_the_worst_gaussian_at_its_epsilon_over_many_seed
     rejects = 0
     for _ in range(trials):
         score, included = _gaussian_trial(rng, m, mu)
-        v = audit.correct_guesses(score, included, r, 0)
-        rejects += audit.fdp_rejects(mu, m, r, v, level)
+        v = audit_stats.correct_guesses(score, included, r, 0)
+        rejects += audit_stats.fdp_rejects(mu, m, r, v, level)
     assert rejects / trials <= level
 
 
 def test_ceilings_are_all_correct_guesses_and_grow_with_canaries():
     c = audit.ceilings(200, 2.4e-5, 0.95, (0.05, 0.1, 0.2, 0.5))
-    sets = audit.guess_sets(200, [0.05, 0.1, 0.2, 0.5])
+    sets = audit_stats.guess_sets(200, [0.05, 0.1, 0.2, 0.5])
     level = 0.05 / len(sets)
-    assert c["epsilon_lower_bound_ceiling"] == max(audit.epsilon_lower_bound(200, g.guesses, g.guesses, 2.4e-5, level)
+    assert c["epsilon_lower_bound_ceiling"] == max(audit_stats.epsilon_lower_bound(200, g.guesses, g.guesses, 2.4e-5, level)
                                                    for g in sets)
     assert c["epsilon_lower_bound_ceiling"] == pytest.approx(2.755, abs=1e-3)  # the first audit's ceiling
     assert c["epsilon_lower_bound_fdp_ceiling"] > 4.0  # the f-DP bound can show more with the same canaries

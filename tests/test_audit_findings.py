@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from userdp.evaluation import audit, findings, findings_job
+from userdp.evaluation import audit_stats, findings, findings_job
 from userdp.io import write_json, write_parquet
 
 
@@ -16,7 +16,7 @@ def _cell(rng, included, separation: float, method: str, eps, dataset="d") -> tu
                           "score_loss": score, "score_likelihood_ratio": score})
     res = {"dataset": dataset, "method": method, "epsilon_target": eps, "epsilon_claimed": eps,
            "canary_design": "new_token", "epsilon_lower_bound": 0.0, "epsilon_lower_bound_fdp": 0.0,
-           "loss_auc": audit.auc(score, included), "likelihood_ratio_auc": audit.auc(score, included)}
+           "loss_auc": audit_stats.auc(score, included), "likelihood_ratio_auc": audit_stats.auc(score, included)}
     return res, frame
 
 

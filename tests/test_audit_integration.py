@@ -3,7 +3,7 @@
 Canaries from userdp.data.canaries, the plan from the planner (plan_cell, the
 real calibration), the run from rule finetune's job (finetune_job.run_job ->
 engine.train), the scores and bound from userdp.evaluation.audit: for ELS,
-ULS and both non-private references. The expected outcome (docs/privacy.md,
+ULS and both non-private references. The expected outcome (docs/audits.md,
 "Auditing the released model"): the references leak measurably (AUC well
 above 1/2, a lower bound clearly above 0 and above the private cells' claim,
 so a private cell leaking like them would fail here), and no private cell's
@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from train_fixtures import make_tokenizer, tokens_table
-from userdp import layout
+from userdp import grid, layout
 from userdp.config import validate_config
 from userdp.io import read_json
 
@@ -82,7 +82,7 @@ def audited(tmp_path_factory):
     assert privacy_delta["delta"] == 1e-6 and rule == "privacy.delta"
 
     results = {}
-    for cell in layout.audit_cells(cfg):
+    for cell in grid.audit_cells(cfg):
         eps = layout.fmt_num(cell.epsilon)
         plan = plan_cell(dataset="tiny", method=cell.method, epsilon=cell.epsilon, compute_budget=cell.compute,
                          steps=cell.steps, counts=counts, privacy=audit_targets.plan_privacy(cfg, cell.method, eps),
@@ -92,7 +92,7 @@ def audited(tmp_path_factory):
         run_dir = root / f"run_{cell.method}_{eps}"
         job = finetune_job.FinetuneJob(
             config=cfg, plan=str(plan_path), tokens=str(audit_tokens), tokenizer=str(root / "tokenizer"),
-            model=str(root / "base"), run_dir=str(run_dir), learning_rate=layout.audit_learning_rate(cfg),
+            model=str(root / "base"), run_dir=str(run_dir), learning_rate=grid.audit_learning_rate(cfg),
             dataset="tiny", method=cell.method, eps=eps, budget=str(cell.compute), seed=cell.seed)
         finetune_job.run_job(job)
         results[(cell.method, eps)] = audit.audit_cell(

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from userdp.evaluation import audit
+from userdp.evaluation import audit, audit_report, audit_stats
 
 
 def brute_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
@@ -32,13 +32,13 @@ def brute_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
     (64, 32, 32, 3.0, 1e-6), (10, 1, 1, 0.5, 0.01), (50, 7, 0, 1.0, 1e-3),
 ])
 def test_p_value_matches_its_definition(m, r, v, eps, delta):
-    assert audit.p_value(m, r, v, eps, delta) == pytest.approx(brute_p_value(m, r, v, eps, delta), rel=1e-9, abs=1e-15)
+    assert audit_stats.p_value(m, r, v, eps, delta) == pytest.approx(brute_p_value(m, r, v, eps, delta), rel=1e-9, abs=1e-15)
 
 
 def test_p_value_grows_with_epsilon_and_delta():
-    ps = [audit.p_value(100, 30, 25, e, 1e-4) for e in np.linspace(0, 5, 11)]
+    ps = [audit_stats.p_value(100, 30, 25, e, 1e-4) for e in np.linspace(0, 5, 11)]
     assert all(a < b for a, b in zip(ps, ps[1:]))
-    assert audit.p_value(100, 30, 25, 1.0, 1e-3) > audit.p_value(100, 30, 25, 1.0, 1e-6)
+    assert audit_stats.p_value(100, 30, 25, 1.0, 1e-3) > audit_stats.p_value(100, 30, 25, 1.0, 1e-6)
 
 
 def test_all_correct_guesses_give_the_closed_form_bound():
@@ -46,22 +46,22 @@ def test_all_correct_guesses_give_the_closed_form_bound():
     for r in (5, 10, 40):
         p_star = 0.05 ** (1 / r)
         expected = math.log(p_star / (1 - p_star))
-        got = audit.epsilon_lower_bound(1000, r, r, 0.0, 0.05)
+        got = audit_stats.epsilon_lower_bound(1000, r, r, 0.0, 0.05)
         assert got == pytest.approx(expected, abs=2e-6) and got <= expected
-    assert audit.epsilon_lower_bound(1000, 10, 10, 0.0, 0.05) == pytest.approx(1.0519, abs=1e-4)
+    assert audit_stats.epsilon_lower_bound(1000, 10, 10, 0.0, 0.05) == pytest.approx(1.0519, abs=1e-4)
 
 
 def test_bound_is_the_edge_of_rejection_and_zero_without_evidence():
     m, r, v, delta, level = 200, 60, 50, 1e-5, 0.01
-    eps = audit.epsilon_lower_bound(m, r, v, delta, level)
+    eps = audit_stats.epsilon_lower_bound(m, r, v, delta, level)
     assert eps > 0
-    assert audit.p_value(m, r, v, eps, delta) < level <= audit.p_value(m, r, v, eps + 1e-5, delta)
+    assert audit_stats.p_value(m, r, v, eps, delta) < level <= audit_stats.p_value(m, r, v, eps + 1e-5, delta)
     # half the guesses right is what a coin gets: no evidence
-    assert audit.epsilon_lower_bound(m, 40, 20, delta, 0.05) == 0.0
+    assert audit_stats.epsilon_lower_bound(m, 40, 20, delta, 0.05) == 0.0
     # a large delta term (2 m delta alpha >= level at eps = 0) leaves nothing to prove, however good the guesses
-    assert audit.p_value(64, 32, 32, 0.0, 0.02) >= 0.05
-    assert audit.epsilon_lower_bound(64, 32, 32, 0.02, 0.05) == 0.0
-    assert audit.epsilon_lower_bound(64, 32, 32, 1e-6, 0.05) > 1.5
+    assert audit_stats.p_value(64, 32, 32, 0.0, 0.02) >= 0.05
+    assert audit_stats.epsilon_lower_bound(64, 32, 32, 0.02, 0.05) == 0.0
+    assert audit_stats.epsilon_lower_bound(64, 32, 32, 1e-6, 0.05) > 1.5
 
 
 def test_bound_is_valid_on_randomized_response():
@@ -70,7 +70,7 @@ def test_bound_is_valid_on_randomized_response():
     eps_true, r, trials = 1.0, 100, 400
     q = math.exp(eps_true) / (1 + math.exp(eps_true))
     correct = rng.binomial(r, q, size=trials)
-    bounds = np.array([audit.epsilon_lower_bound(r, r, int(v), 0.0, 0.05) for v in correct])
+    bounds = np.array([audit_stats.epsilon_lower_bound(r, r, int(v), 0.0, 0.05) for v in correct])
     assert (bounds > eps_true).mean() <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / trials)
     assert np.median(bounds) > 0.4  # and it is not vacuous: typical runs find most of eps
 
@@ -82,29 +82,29 @@ def test_auc_and_tpr_against_brute_force():
     scores[:20] = np.round(scores[:20])  # some ties
     pos, neg = scores[included], scores[~included]
     brute = np.mean([(a > b) + 0.5 * (a == b) for a in pos for b in neg])
-    assert audit.auc(scores, included) == pytest.approx(brute, rel=1e-12)
+    assert audit_stats.auc(scores, included) == pytest.approx(brute, rel=1e-12)
     best = 0.0
     for t in np.concatenate([scores, [np.inf]]):
         fpr = np.mean(neg >= t)
         if fpr <= 0.01:
             best = max(best, float(np.mean(pos >= t)))
-    assert audit.tpr_at_fpr(scores, included, 0.01) == best
+    assert audit_stats.tpr_at_fpr(scores, included, 0.01) == best
     perfect = np.where(included, 1.0, 0.0)
-    assert audit.auc(perfect, included) == 1.0 and audit.tpr_at_fpr(perfect, included) == 1.0
-    assert audit.auc(-perfect, included) == 0.0 and audit.tpr_at_fpr(-perfect, included) == 0.0
+    assert audit_stats.auc(perfect, included) == 1.0 and audit_stats.tpr_at_fpr(perfect, included) == 1.0
+    assert audit_stats.auc(-perfect, included) == 0.0 and audit_stats.tpr_at_fpr(-perfect, included) == 0.0
 
 
 def test_correct_guesses_and_guess_sets():
     included = np.array([True, False, True, False, True, False])
     scores = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
-    assert audit.correct_guesses(scores, included, 2, 0) == 1  # top two: True, False
-    assert audit.correct_guesses(scores, included, 1, 1) == 2  # top True, bottom False
-    assert audit.correct_guesses(scores, included, 0, 3) == 2  # bottom three: True, False, False -> 2 "out" right
+    assert audit_stats.correct_guesses(scores, included, 2, 0) == 1  # top two: True, False
+    assert audit_stats.correct_guesses(scores, included, 1, 1) == 2  # top True, bottom False
+    assert audit_stats.correct_guesses(scores, included, 0, 3) == 2  # bottom three: True, False, False -> 2 "out" right
     with pytest.raises(ValueError):
-        audit.correct_guesses(scores, included, 4, 3)
-    sets = audit.guess_sets(200, [0.05, 0.5])
+        audit_stats.correct_guesses(scores, included, 4, 3)
+    sets = audit_stats.guess_sets(200, [0.05, 0.5])
     assert {(g.score, g.side, g.n_in, g.n_out) for g in sets} == {
-        (s, side, n_in, n_out) for s in audit.SCORES
+        (s, side, n_in, n_out) for s in audit_stats.SCORES
         for side, n_in, n_out in (("top", 10, 0), ("both", 5, 5), ("top", 100, 0), ("both", 50, 50))}
 
 
@@ -120,12 +120,12 @@ def test_audit_result_is_bonferroni_corrected_and_tells_perfect_from_random():
     assert 0.35 < res["likelihood_ratio_auc"] < 0.65 and res["likelihood_ratio_epsilon_lower_bound"] < 0.5
     # the bound of the best set recomputed at the corrected level
     best = res["best_guess_set"]
-    again = audit.epsilon_lower_bound(200, best["guesses_in"] + best["guesses_out"], best["correct"], 1e-6,
+    again = audit_stats.epsilon_lower_bound(200, best["guesses_in"] + best["guesses_out"], best["correct"], 1e-6,
                                       res["level_per_guess_set"])
     assert again == best["epsilon_lower_bound"]
     assert res["epsilon_lower_bound"] <= res["epsilon_lower_bound_ceiling"]
     assert res["epsilon_lower_bound_ceiling"] == max(
-        audit.epsilon_lower_bound(200, g["guesses_in"] + g["guesses_out"], g["guesses_in"] + g["guesses_out"], 1e-6,
+        audit_stats.epsilon_lower_bound(200, g["guesses_in"] + g["guesses_out"], g["guesses_in"] + g["guesses_out"], 1e-6,
                                   res["level_per_guess_set"]) for g in res["guess_sets"])
 
 
@@ -134,11 +134,12 @@ def test_summary_flags_a_bound_above_the_claim():
              "canaries": 10, "confidence": 0.95, "bound_exceeds_claim": True},
             {"dataset": "d", "method": "els", "epsilon_target": "inf", "epsilon_claimed": "inf",
              "epsilon_lower_bound": 3.0, "canaries": 10, "confidence": 0.95, "bound_exceeds_claim": False}]
-    assert audit.bound_exceeds_claim(rows[0]) and not audit.bound_exceeds_claim(rows[1])
-    df = audit.summary_rows(rows)
+    assert audit_report.bound_exceeds_claim(rows[0]) and not audit_report.bound_exceeds_claim(rows[1])
+    df = audit_report.summary_rows(rows)
     assert df["epsilon_claimed"].tolist() == [1.0, math.inf]
-    html = audit.summary_html(df, "d")
-    assert "<table>" in html and "∞" in html and html.count("<tr>") == 3
+    html = audit_report.summary_html(df, "d")
+    assert "<table" in html and "∞" in html and html.count("<tr") == 3  # the header and two cells
+    assert "ELS" in html and "<td>yes</td>" in html and "<td>no</td>" in html and "None" not in html
 
 
 def test_audit_figure_shows_claims_bounds_and_the_diagonal(tmp_path):
@@ -150,7 +151,7 @@ def test_audit_figure_shows_claims_bounds_and_the_diagonal(tmp_path):
              "epsilon_lower_bound_ceiling": 2.5}
             for m, e, b, a in (("els", 8.0, 0.2, 0.55), ("uls", 8.0, 0.0, 0.5), ("els", "inf", 2.1, 0.97),
                                ("uls", "inf", 1.9, 0.95))]
-    df = audit.summary_rows(rows)
+    df = audit_report.summary_rows(rows)
     fig = empirical_vs_claimed(df, dataset="d")
     ax = fig.axes[0]
     (diag,) = [ln for ln in ax.lines if "y = x" in ln.get_label()]
@@ -163,7 +164,7 @@ def test_audit_figure_shows_claims_bounds_and_the_diagonal(tmp_path):
     # with the f-DP bound: a hollow point per cell and its own ceiling line
     for r, f in zip(rows, (0.4, 0.1, 4.2, 4.0)):
         r.update(epsilon_lower_bound_fdp=f, epsilon_lower_bound_fdp_ceiling=4.5)
-    fig = empirical_vs_claimed(audit.summary_rows(rows), dataset="d")
+    fig = empirical_vs_claimed(audit_report.summary_rows(rows), dataset="d")
     ax = fig.axes[0]
     ys = sorted(float(y) for c in ax.collections for _, y in c.get_offsets())
     assert ys == [0.0, 0.1, 0.2, 0.4, 1.9, 2.1, 4.0, 4.2]

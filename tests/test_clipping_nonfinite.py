@@ -202,7 +202,7 @@ def test_engine_counts_dropped_units_and_stays_finite(tmp_path, method):
     import pyarrow as pa
 
     import train_fixtures
-    from userdp.training import engine
+    from userdp.training import engine, run_seeds, run_state
     from userdp.training.pool import build_pool
     from userdp.training.settings import TrainSettings
 
@@ -229,8 +229,8 @@ def test_engine_counts_dropped_units_and_stays_finite(tmp_path, method):
             mine = int((pool.example_user[o.selection.rows] == pool.user_ids.index(poisoned)).sum())
             expected.append(mine if method == "els" else min(mine, 1))
 
-        out = engine.train(model, pool, plan, s, engine.RunPaths(tmp_path / f"{method}-{debug}"),
-                           engine.run_seeds(0, 0, "tiny", method, "8", 100, 3), 0, compute_epsilon=lambda e, d: 1.0,
+        out = engine.train(model, pool, plan, s, run_state.RunPaths(tmp_path / f"{method}-{debug}"),
+                           run_seeds.run_seeds(0, 0, "tiny", method, "8", 100, 3), 0, compute_epsilon=lambda e, d: 1.0,
                            observe=observe)
         assert out.complete and all(torch.isfinite(p).all() for p in model.parameters())
         assert dropped == expected

@@ -15,7 +15,8 @@ import yaml
 
 from userdp import layout
 from userdp.config import load_config, validate_config
-from userdp.layout import Cell, fmt_num, iter_cells
+from userdp.layout import fmt_num
+from userdp.grid import Cell, iter_cells
 from userdp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,8 @@ import re
 
 from userdp import layout
 from userdp.config import validate_config
-from userdp.layout import fmt_num, iter_cells
+from userdp.layout import fmt_num
+from userdp.grid import iter_cells
 from userdp.evaluation import targets
 from userdp.plotting.registry import figure_targets
 

@@ -22,7 +22,8 @@ from eval_builders import plan_record, tiny_gpt2, tokens_table
 from userdp.config import validate_config
 from userdp.evaluation.metrics import evaluate_runs
 from userdp.evaluation.targets import evaluation_params
-from userdp.layout import fmt_num, iter_cells
+from userdp.grid import iter_cells
+from userdp.layout import fmt_num
 from userdp.io import read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]

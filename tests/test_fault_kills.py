@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from proc_helpers import group_alive, wait_for
-from userdp.layout import fmt_num, iter_cells
+from userdp.layout import fmt_num
+from userdp.grid import iter_cells
 
 pytestmark = pytest.mark.integration
 

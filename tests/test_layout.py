@@ -9,7 +9,8 @@ import pytest
 
 from userdp import layout
 from userdp.config import validate_config
-from userdp.layout import Cell, cell_of_dir, fmt_num, iter_cells
+from userdp.layout import fmt_num
+from userdp.grid import Cell, cell_of_dir, iter_cells
 from userdp.training.targets import finetune_inputs, run_outputs
 
 REPO = Path(__file__).resolve().parents[1]

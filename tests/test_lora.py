@@ -21,7 +21,7 @@ from clipping_fixtures import batch, clipped_sum, fresh, per_unit_grads, tiny_gp
 from train_fixtures import SEQ, plan_for
 from userdp.config import validate_config
 from userdp.errors import ConfigError
-from userdp.training import engine, models
+from userdp.training import engine, models, run_seeds, run_state
 from userdp.training.clipping import ClippedGradients
 from userdp.training.gradients import MicroBatchStats
 from userdp.training.settings import TrainSettings
@@ -93,8 +93,8 @@ def _train(pool, path, lr=1e-2, method="uls", **kw):
     plan = plan_for(pool, method, expected=3.0, steps=4, sigma=0.8, clip=0.5)
     settings = TrainSettings(learning_rate=lr, physical_batch_size=8, sequence_length=SEQ, checkpoint_every=2,
                              device="cpu", log_every_s=0.0)
-    seeds = engine.run_seeds(0, 0, "tiny", method, "8", 100, 3, lr)
-    out = engine.train(model, pool, plan, settings, engine.RunPaths(path), seeds, 0,
+    seeds = run_seeds.run_seeds(0, 0, "tiny", method, "8", 100, 3, lr)
+    out = engine.train(model, pool, plan, settings, run_state.RunPaths(path), seeds, 0,
                        compute_epsilon=lambda e, d: 1.0, **kw)
     return model, out
 
@@ -133,8 +133,8 @@ def _train_saved_base(pool, tmp_path, method):
     plan = plan_for(pool, method, expected=3.0, steps=2, sigma=0.8, clip=0.5)
     settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, device="cpu",
                              log_every_s=0.0)
-    engine.train(model, pool, plan, settings, engine.RunPaths(tmp_path / "run"),
-                 engine.run_seeds(0, 0, "t", method, "8", 100, 3, 0.01), 0, compute_epsilon=lambda e, d: 1.0)
+    engine.train(model, pool, plan, settings, run_state.RunPaths(tmp_path / "run"),
+                 run_seeds.run_seeds(0, 0, "t", method, "8", 100, 3, 0.01), 0, compute_epsilon=lambda e, d: 1.0)
     return base_dir, model
 
 
@@ -179,8 +179,8 @@ def test_an_update_that_moves_nothing_fails_loudly(pool, tmp_path):
     settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, device="cpu",
                              log_every_s=0.0)
     with pytest.raises(RuntimeError, match="step 1: the update changed none of the .* trainable parameters"):
-        engine.train(model, pool, plan, settings, engine.RunPaths(tmp_path / "run"),
-                     engine.run_seeds(0, 0, "t", "uls", "inf", 100, 3, 0.01), 0,
+        engine.train(model, pool, plan, settings, run_state.RunPaths(tmp_path / "run"),
+                     run_seeds.run_seeds(0, 0, "t", "uls", "inf", 100, 3, 0.01), 0,
                      gradient_source=NoGradient, compute_epsilon=lambda e, d: 1.0)
     assert not (tmp_path / "run" / "ledger.json").exists()
     # a zero learning rate is a legitimate setting (replay tests, a warm-up's first step): not checked
@@ -272,8 +272,8 @@ def test_training_gradient_checkpointing_trains_the_same_model(pool, tmp_path):
         plan = plan_for(pool, "els", expected=3.0, steps=3, sigma=0.8, clip=0.5)
         settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, device="cpu",
                                  log_every_s=0.0)
-        engine.train(model, pool, plan, replace(settings, gradient_checkpointing=on), engine.RunPaths(tmp_path / name),
-                     engine.run_seeds(0, 0, "t", "els", "8", 100, 3, 0.01), 0, compute_epsilon=lambda e, d: 1.0)
+        engine.train(model, pool, plan, replace(settings, gradient_checkpointing=on), run_state.RunPaths(tmp_path / name),
+                     run_seeds.run_seeds(0, 0, "t", "els", "8", 100, 3, 0.01), 0, compute_epsilon=lambda e, d: 1.0)
         runs.append(model)
     assert runs[1].get_base_model().is_gradient_checkpointing and not runs[0].get_base_model().is_gradient_checkpointing
     for (n, p), (_, q) in zip(runs[0].named_parameters(), runs[1].named_parameters()):

@@ -4,7 +4,7 @@ Mutation tests: each deliberate bug of tests/mechanism_mutations.py is
 applied to the real engine / clipping / noise / accounting path for one
 audited run, at the size stated next to it, and the audit must give an
 empirical user-level epsilon lower bound ABOVE the claimed epsilon. Three
-bugs are not caught by the epsilon bound at a size CI can run (docs/privacy.md,
+bugs are not caught by the epsilon bound at a size CI can run (docs/audits.md,
 "White-box audit of the mechanism", has the power table and the reason: the
 one-run bound of Steinke et al. reaches about 60% of a Gaussian mechanism's
 epsilon at 1,000 canaries, so a factor 2 or sqrt(2) in the noise, and a
@@ -105,7 +105,7 @@ def test_noise_halved_is_caught_by_the_fdp_bound_at_3000_canaries():
 @pytest.mark.integration
 def test_noise_halved_is_seen_but_not_above_the_claim_at_1000_canaries():
     """(a) Half the noise: the (epsilon, delta) bound rises (0.51 -> 1.38 at claimed 2) but stays below the claim
-    at m = 1,000 (the one-run bound of a Gaussian mechanism: docs/privacy.md; the f-DP bound catches it at
+    at m = 1,000 (the one-run bound of a Gaussian mechanism: docs/audits.md; the f-DP bound catches it at
     3,000 canaries, above); the noise check measures the ratio exactly."""
     s = setup("uls", 2.0, FULL_BATCH)
     bad, honest = audited("noise_halved", s), audited("honest", s)

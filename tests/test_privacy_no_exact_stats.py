@@ -35,14 +35,14 @@ import yaml
 
 from leak_scan import exact_statistics, file_values, find_leaks, leaks_in
 
-from userdp import layout
+from userdp import grid, layout
 from userdp.privacy.spec import RunSpec
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
 K, T, LR = 64, 2, 0.003
-CELLS = [layout.Cell("tiny", m, 4.0, K, T, 0) for m in ("els", "uls")]
+CELLS = [grid.Cell("tiny", m, 4.0, K, T, 0) for m in ("els", "uls")]
 
 
 def _config() -> dict:

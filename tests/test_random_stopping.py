@@ -63,7 +63,7 @@ def test_draws_follow_the_distribution():
 
 
 def test_each_run_has_its_own_seeds():
-    from userdp.training.engine import run_seeds
+    from userdp.training.run_seeds import run_seeds
 
     a, b = (run_seeds(0, 0, "d", "uls", "1", 100, 4, 0.01, trial=t) for t in (0, 1))
     assert a["sampler"] != b["sampler"] and a["noise"] != b["noise"]

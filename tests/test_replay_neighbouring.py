@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from train_fixtures import SEQ, plan_for, tiny_model, tokens_table
-from userdp.training import engine
+from userdp.training import engine, run_seeds, run_state, step
 from userdp.training.pool import build_pool
 from userdp.training.settings import TrainSettings
 
@@ -99,7 +99,7 @@ def replay(method: str, clipping: str, removed: str | None, root: Path, per_user
                              log_every_s=1e9, uls_examples_per_user=per_user)
     records: list[dict] = []
 
-    def observe(o: engine.StepObservation) -> None:
+    def observe(o: step.StepObservation) -> None:
         records.append({
             "step": o.step,
             "units": _identities(pool, o.selection),
@@ -109,9 +109,9 @@ def replay(method: str, clipping: str, removed: str | None, root: Path, per_user
             "nonfinite": o.nonfinite_units,
         })
 
-    seeds = engine.run_seeds(0, 0, "tiny", method, "8", 100, G)  # the same seeds for D and D - u
+    seeds = run_seeds.run_seeds(0, 0, "tiny", method, "8", 100, G)  # the same seeds for D and D - u
     out = engine.train(tiny_model(seed=1).double(), pool, plan, settings,
-                       engine.RunPaths(root / f"{method}-{clipping}-{removed}-{per_user}"), seeds, 0,
+                       run_state.RunPaths(root / f"{method}-{clipping}-{removed}-{per_user}"), seeds, 0,
                        compute_epsilon=_epsilon, observe=observe)
     assert out.complete and len(records) == T
     return records

@@ -281,7 +281,7 @@ def test_physical_batch_size_does_not_change_the_trained_model(tmp_path):
     """Micro-batching sums the same clipped per-unit gradients in another order (so: not a param)."""
     from train_fixtures import SEQ, plan_for, tiny_model, tokens_table
 
-    from userdp.training import engine
+    from userdp.training import engine, run_seeds, run_state
     from userdp.training.pool import build_pool
     from userdp.training.settings import TrainSettings
 
@@ -295,8 +295,8 @@ def test_physical_batch_size_does_not_change_the_trained_model(tmp_path):
             settings = TrainSettings(learning_rate=1e-2, physical_batch_size=pbs, sequence_length=SEQ,
                                      checkpoint_every=100, device="cpu", log_every_s=1e9)
             plan = plan_for(pool, method, expected=6.0, steps=3, sigma=0.5, clip=1.0)
-            engine.train(model, pool, plan, settings, engine.RunPaths(tmp_path / f"{method}{pbs}"),
-                         engine.run_seeds(0, 0, "tiny", method, "8", 100, 3), 0, compute_epsilon=fake_eps)
+            engine.train(model, pool, plan, settings, run_state.RunPaths(tmp_path / f"{method}{pbs}"),
+                         run_seeds.run_seeds(0, 0, "tiny", method, "8", 100, 3), 0, compute_epsilon=fake_eps)
             params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
         assert torch.allclose(params[0], params[1], rtol=1e-4, atol=1e-6), method
 

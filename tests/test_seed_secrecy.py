@@ -20,7 +20,7 @@ from userdp.data.sources import SOURCES
 from userdp.errors import ConfigError
 from userdp.privacy import seed_secrecy
 from userdp.privacy.contribution_stats import NoisyHistogram, release_for_dataset
-from userdp.training import engine
+from userdp.training import engine, run_seeds, run_state
 from userdp.training.ledger import RunFacts, build_ledger
 from userdp.training.pool import build_pool
 from userdp.training.settings import TrainSettings
@@ -66,8 +66,8 @@ def pool():
 def test_ledger_says_whether_seeds_are_derived(tmp_path, pool, secret):
     plan = plan_for(pool, "els", expected=3.0, steps=2, sigma=0.7, clip=0.5)
     settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, device="cpu")
-    seeds = engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.01, secret=secret)
-    out = engine.train(tiny_model(), pool, plan, settings, engine.RunPaths(tmp_path), seeds, 0,
+    seeds = run_seeds.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.01, secret=secret)
+    out = engine.train(tiny_model(), pool, plan, settings, run_state.RunPaths(tmp_path), seeds, 0,
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
     if secret:
         assert out.ledger["seeds_mode"] == "secret" and out.ledger["guarantee_caveat"] is None

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from userdp.config import validate_config
-from userdp.layout import iter_cells
+from userdp.grid import iter_cells
 
 pytestmark = pytest.mark.integration
 

@@ -121,7 +121,7 @@ def test_pin_parser_catches_a_mismatch():
 
 #: Rank of each stage, low to high. A module may import its own stage or lower
 #: ones. The base modules sit below every stage and import none of them.
-BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "code_version", "workers", "untracked")
+BASE_MODULES = ("io", "errors", "logutil", "seeding", "layout", "grid", "code_version", "workers", "untracked")
 #: Top level: they may import every stage. config validates the whole config, so it reads each stage's
 #: declarations (the data-source registry, the run settings); no stage imports it. snakemake_args is the
 #: command line of `userdp run` (it starts the workflow); api, private_training (make_private), trainer

@@ -15,7 +15,7 @@ import torch
 from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model
 from userdp.errors import DataError
 from userdp.training import checkpoint as ckpt
-from userdp.training import engine
+from userdp.training import engine, run_seeds, run_state
 from userdp.training.settings import TrainSettings
 
 
@@ -43,8 +43,8 @@ def _train(pool, path, **kw):
     plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
     settings = TrainSettings(learning_rate=1e-2, physical_batch_size=8, sequence_length=SEQ, checkpoint_every=2,
                              device="cpu", log_every_s=0.0)
-    secret = engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.01, secret=True)
-    return engine.train(tiny_model(), pool, plan, settings, engine.RunPaths(path), secret, 0,
+    secret = run_seeds.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.01, secret=True)
+    return engine.train(tiny_model(), pool, plan, settings, run_state.RunPaths(path), secret, 0,
                         gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, **kw)
 
 

@@ -27,7 +27,7 @@ from test_replay_neighbouring import check_two_process_replay, two_process_recor
 from train_fixtures import SEQ, ConstantGradients, plan_for, tiny_model, tokens_table
 from userdp.io import read_json
 from userdp.seeding import derive_seed
-from userdp.training import distributed, engine
+from userdp.training import distributed, engine, run_seeds, run_state
 from userdp.training.pool import build_pool
 from userdp.training.settings import TrainSettings
 
@@ -78,8 +78,8 @@ def run_case(name: str, root: Path, dist=None, **kw) -> tuple[torch.Tensor, engi
     else:
         raise ValueError(name)
     model = tiny_model(seed=1).double()
-    seeds = engine.run_seeds(0, 0, "tiny", method, "8", 100, pool.group_size)
-    out = engine.train(model, pool, plan, s, engine.RunPaths(root / name), seeds, 0, gradient_source=source,
+    seeds = run_seeds.run_seeds(0, 0, "tiny", method, "8", 100, pool.group_size)
+    out = engine.train(model, pool, plan, s, run_state.RunPaths(root / name), seeds, 0, gradient_source=source,
                        compute_epsilon=fake_epsilon, dist=dist, **kw)
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]), out
 
@@ -98,8 +98,8 @@ def _worker(rank: int, world: int, root: str) -> None:
         params, out = run_case("resume", root / "dist", max_steps=2)
         results["resume_stop"] = {"params": params, "complete": out.complete}
         # privacy.secret_seeds: rank 0's fresh entropy must reach every rank (same Poisson sample everywhere)
-        secret = engine.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01, secret=True)
-        results["secret_seeds"] = engine.draw_secret_seeds(secret, ctx, torch.device("cpu"))
+        secret = run_seeds.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01, secret=True)
+        results["secret_seeds"] = run_seeds.draw_secret_seeds(secret, ctx, torch.device("cpu"))
         # the neighbouring-dataset replay's two-process case (tests/test_replay_neighbouring.py), in this spawn
         results["replay"] = two_process_records(root / "replay" / f"rank{rank}")
         torch.save(results, root / f"rank{rank}.pt")
@@ -247,5 +247,5 @@ def test_secret_seeds_are_the_same_on_every_rank(runs):
     root, ranks, single = runs
     a, b = ranks[0]["secret_seeds"], ranks[1]["secret_seeds"]
     assert a == b and a["secret"] is True
-    public = engine.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01)
+    public = run_seeds.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01)
     assert a["sampler"] != public["sampler"] and a["noise"] != public["noise"]  # fresh, not config-derived

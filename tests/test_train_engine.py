@@ -15,7 +15,7 @@ from scipy import stats
 from train_fixtures import VOCAB, ConstantGradients, LoopGradients, plan_for, run_settings, tiny_model, tokens_table
 from userdp.errors import ConfigError, DataError, Preempted, run_main
 from userdp.io import read_json
-from userdp.training import engine, step_log
+from userdp.training import engine, run_seeds, run_state, step_log
 from userdp.training.noise import GaussianNoise
 from userdp.training.optim import LRMultiplier
 from userdp.training.pool import build_pool
@@ -37,7 +37,7 @@ settings = run_settings
 
 
 def seeds(method="els"):
-    return engine.run_seeds(0, 0, "tiny", method, "8", 100, 3)
+    return run_seeds.run_seeds(0, 0, "tiny", method, "8", 100, 3)
 
 
 def params_vector(model):
@@ -51,7 +51,7 @@ def test_update_divides_by_expected_not_realised_size(tmp_path, pool, method, pr
     before = params_vector(model)
     expected = 7.3  # not an integer: the realised count can never equal it
     plan = plan_for(pool, method, expected=expected, steps=1, sigma=0.0, clip=1.0 if private else None)
-    out = engine.train(model, pool, plan, settings(optimizer="sgd", learning_rate=1.0), engine.RunPaths(tmp_path),
+    out = engine.train(model, pool, plan, settings(optimizer="sgd", learning_rate=1.0), run_state.RunPaths(tmp_path),
                        seeds(method), 0, gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
     realised = int(out.log["realised_units"].iloc[0])
     assert realised > 0 and realised != expected
@@ -78,7 +78,7 @@ def test_noise_std_and_fresh_every_step(tmp_path, pool):
 
     # physical batch 1: many micro-batches per step, yet noise is added once per step
     engine.train(model, pool, plan, settings(optimizer="sgd", learning_rate=1.0, physical_batch_size=1),
-                 engine.RunPaths(tmp_path), seeds(), 0,
+                 run_state.RunPaths(tmp_path), seeds(), 0,
                  gradient_source=lambda m, c, normalize=False: ConstantGradients(m, c, value=0.0),
                  compute_epsilon=fake_epsilon, on_step=record)
     n = deltas[0].numel()
@@ -125,7 +125,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, pool, method, source):
 
     def run(path, **kw):
         model = tiny_model(seed=1)
-        out = engine.train(model, pool, plan, s, engine.RunPaths(path), seeds(method), 0,
+        out = engine.train(model, pool, plan, s, run_state.RunPaths(path), seeds(method), 0,
                            gradient_source=source, compute_epsilon=fake_epsilon, **kw)
         return model, out
 
@@ -173,11 +173,11 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, pool, method, source):
 
 def test_checkpoint_of_another_mechanism_is_ignored(tmp_path, pool):
     plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
-    engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+    engine.train(tiny_model(), pool, plan, settings(), run_state.RunPaths(tmp_path), seeds(), 0,
                  gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
     other = plan.replace(noise_multiplier=0.9)
     steps_run = []
-    out = engine.train(tiny_model(), pool, other, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+    out = engine.train(tiny_model(), pool, other, settings(), run_state.RunPaths(tmp_path), seeds(), 0,
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon,
                        on_step=lambda st, r: steps_run.append(st))
     assert steps_run == [1, 2, 3, 4] and out.ledger["resumed_at_steps"] == []
@@ -186,22 +186,22 @@ def test_checkpoint_of_another_mechanism_is_ignored(tmp_path, pool):
 def test_checkpoint_of_another_base_model_or_pool_is_ignored(tmp_path, pool):
     """A rebuilt pretrained model or rebuilt training data must not resume an old run's checkpoint."""
     plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
-    engine.train(tiny_model(seed=1), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+    engine.train(tiny_model(seed=1), pool, plan, settings(), run_state.RunPaths(tmp_path), seeds(), 0,
                  gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
-    out = engine.train(tiny_model(seed=2), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+    out = engine.train(tiny_model(seed=2), pool, plan, settings(), run_state.RunPaths(tmp_path), seeds(), 0,
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
     assert out.steps_completed == 2  # started afresh with model 2, stopped again at step 2
     # same sizes, other tokens (a rebuilt tokens.parquet): not resumed either
     other_pool = dataclasses.replace(pool, token_values=(pool.token_values + 1) % VOCAB)
     steps_run = []
-    out = engine.train(tiny_model(seed=2), other_pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+    out = engine.train(tiny_model(seed=2), other_pool, plan, settings(), run_state.RunPaths(tmp_path), seeds(), 0,
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon,
                        on_step=lambda st, r: steps_run.append(st))
     assert steps_run == [1, 2, 3, 4] and out.ledger["resumed_at_steps"] == []
     # and the same model and pool do resume
-    engine.train(tiny_model(seed=2), pool, plan, settings(), engine.RunPaths(tmp_path / "r"), seeds(), 0,
+    engine.train(tiny_model(seed=2), pool, plan, settings(), run_state.RunPaths(tmp_path / "r"), seeds(), 0,
                  gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
-    out = engine.train(tiny_model(seed=2), pool, plan, settings(), engine.RunPaths(tmp_path / "r"), seeds(), 0,
+    out = engine.train(tiny_model(seed=2), pool, plan, settings(), run_state.RunPaths(tmp_path / "r"), seeds(), 0,
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
     assert out.ledger["resumed_at_steps"] == [2]
 
@@ -212,15 +212,15 @@ def test_checkpoint_of_another_device_is_ignored(tmp_path, pool):
     from userdp.training.models import resolve_device
 
     plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
-    engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+    engine.train(tiny_model(), pool, plan, settings(), run_state.RunPaths(tmp_path), seeds(), 0,
                  gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
-    fp = {dev: engine.run_fingerprint(plan, settings(device=dev), torch.device(dev), seeds(), pool, tiny_model(),
+    fp = {dev: run_state.run_fingerprint(plan, settings(device=dev), torch.device(dev), seeds(), pool, tiny_model(),
                                       pool.n_examples) for dev in ("cpu", "cuda")}
     assert fp["cpu"] != fp["cuda"]
     assert ckpt.load_checkpoint(tmp_path / "checkpoint", fp["cpu"]) is not None
     assert ckpt.load_checkpoint(tmp_path / "checkpoint", fp["cuda"]) is None
     # the device the run resolves counts, not the setting's text: auto on a CPU-only machine resumes
-    out = engine.train(tiny_model(), pool, plan, settings(device="auto"), engine.RunPaths(tmp_path), seeds(), 0,
+    out = engine.train(tiny_model(), pool, plan, settings(device="auto"), run_state.RunPaths(tmp_path), seeds(), 0,
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
     assert out.ledger["resumed_at_steps"] == ([2] if resolve_device("auto").type == "cpu" else [])
 
@@ -228,29 +228,29 @@ def test_checkpoint_of_another_device_is_ignored(tmp_path, pool):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpu_checkpoint_does_not_resume_on_cuda(tmp_path, pool):
     plan = plan_for(pool, "els", expected=3.0, steps=4, sigma=0.7, clip=0.5)
-    engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+    engine.train(tiny_model(), pool, plan, settings(), run_state.RunPaths(tmp_path), seeds(), 0,
                  gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, max_steps=2)
-    out = engine.train(tiny_model(), pool, plan, settings(device="cuda"), engine.RunPaths(tmp_path), seeds(), 0,
+    out = engine.train(tiny_model(), pool, plan, settings(device="cuda"), run_state.RunPaths(tmp_path), seeds(), 0,
                        gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
     assert out.ledger["resumed_at_steps"] == [] and out.ledger["device"].startswith("cuda")
 
 
 def test_learning_rates_of_a_sweep_draw_independent_batches_and_noise():
     """Shared noise across the rates of a sweep would cancel between released models (audit finding)."""
-    a = engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.001)
-    b = engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.003)
+    a = run_seeds.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.001)
+    b = run_seeds.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.003)
     assert a["noise"] != b["noise"] and a["sampler"] != b["sampler"]
-    assert a == engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.001)  # still reproducible
+    assert a == run_seeds.run_seeds(0, 0, "tiny", "els", "8", 100, 3, 0.001)  # still reproducible
 
 
 def test_secret_seeds_are_fresh_hidden_and_survive_resume(tmp_path, pool, monkeypatch):
     """privacy.secret_seeds: sampler and noise seeds from OS entropy, masked in the ledger, kept across a resume."""
     plan = plan_for(pool, "uls", expected=2.5, steps=4, sigma=0.7, clip=0.5)
-    secret = engine.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01, secret=True)
+    secret = run_seeds.run_seeds(0, 0, "tiny", "uls", "8", 100, 3, 0.01, secret=True)
 
     def run(path, **kw):
         model = tiny_model(seed=1)
-        out = engine.train(model, pool, plan, settings(), engine.RunPaths(path), secret, 0,
+        out = engine.train(model, pool, plan, settings(), run_state.RunPaths(path), secret, 0,
                            gradient_source=ConstantGradients, compute_epsilon=fake_epsilon, **kw)
         return params_vector(model), out
 
@@ -263,7 +263,7 @@ def test_secret_seeds_are_fresh_hidden_and_survive_resume(tmp_path, pool, monkey
 
     # an interrupted run resumes the SAME secret streams from its checkpoint, not fresh ones
     draws = iter([11, 12, 11, 12, 99, 98])  # ref run, first half, resumed half (fresh entropy is ignored)
-    monkeypatch.setattr(engine.secrets, "randbits", lambda k: next(draws))
+    monkeypatch.setattr(run_seeds.secrets, "randbits", lambda k: next(draws))
     ref, _ = run(tmp_path / "ref")
     run(tmp_path / "c", max_steps=2)
     resumed, out = run(tmp_path / "c")
@@ -282,7 +282,7 @@ def test_ledger_epsilon_matches_plan(tmp_path, method, G):
     plan = plan_for(pool, method, expected=2.0, steps=T, sigma=sigma, clip=1.0, delta=delta)
     plan = plan.replace(epsilon_achieved=epsilon_of(method, sigma, plan.sampling_rate, T, delta,
                                                     group_size=G if method == "els" else 1))
-    out = engine.train(tiny_model(), pool, plan, settings(), engine.RunPaths(tmp_path), seeds(method), 0,
+    out = engine.train(tiny_model(), pool, plan, settings(), run_state.RunPaths(tmp_path), seeds(method), 0,
                        gradient_source=ConstantGradients)
     ledger = read_json(tmp_path / "ledger.json")
     assert ledger["epsilon"] == pytest.approx(plan.epsilon_achieved, rel=1e-9)
@@ -301,7 +301,7 @@ def test_optimizers_step(tmp_path, pool, opt):
     model = tiny_model()
     before = params_vector(model)
     plan = plan_for(pool, "els", expected=3.0, steps=2, sigma=0.5, clip=1.0)
-    out = engine.train(model, pool, plan, settings(optimizer=opt), engine.RunPaths(tmp_path), seeds(), 0,
+    out = engine.train(model, pool, plan, settings(optimizer=opt), run_state.RunPaths(tmp_path), seeds(), 0,
                        gradient_source=LoopGradients, compute_epsilon=fake_epsilon)
     assert out.complete and not torch.equal(before, params_vector(model))
     assert out.log["loss"].notna().any()
@@ -321,7 +321,7 @@ def test_schedules():
 def test_learning_rate_log_follows_schedule(tmp_path, pool):
     plan = plan_for(pool, "els", expected=2.0, steps=4, sigma=0.5, clip=1.0)
     out = engine.train(tiny_model(), pool, plan, settings(schedule="linear", learning_rate=0.1),
-                       engine.RunPaths(tmp_path), seeds(), 0, gradient_source=ConstantGradients,
+                       run_state.RunPaths(tmp_path), seeds(), 0, gradient_source=ConstantGradients,
                        compute_epsilon=fake_epsilon)
     assert out.log["learning_rate"].tolist() == pytest.approx([0.1, 0.075, 0.05, 0.025])
 
@@ -329,11 +329,11 @@ def test_learning_rate_log_follows_schedule(tmp_path, pool):
 def test_uls_with_too_small_physical_batch_fails_early(tmp_path, pool):
     plan = plan_for(pool, "uls", expected=2.0, steps=2)
     with pytest.raises(ConfigError, match="physical_batch_size"):
-        engine.train(tiny_model(), pool, plan, settings(physical_batch_size=2), engine.RunPaths(tmp_path), seeds(),
+        engine.train(tiny_model(), pool, plan, settings(physical_batch_size=2), run_state.RunPaths(tmp_path), seeds(),
                      0, gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
     bad = plan.replace(group_size=5)
     with pytest.raises(DataError, match="group_size"):
-        engine.train(tiny_model(), pool, bad, settings(), engine.RunPaths(tmp_path), seeds(), 0,
+        engine.train(tiny_model(), pool, bad, settings(), run_state.RunPaths(tmp_path), seeds(), 0,
                      gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
 
 
@@ -350,7 +350,7 @@ def test_sigterm_saves_a_checkpoint_after_the_step_and_the_resumed_run_is_identi
 
     def run(path, **kw):
         model = tiny_model(seed=1)
-        out = engine.train(model, pool, plan, s, engine.RunPaths(path), seeds(), 0, compute_epsilon=fake_epsilon,
+        out = engine.train(model, pool, plan, s, run_state.RunPaths(path), seeds(), 0, compute_epsilon=fake_epsilon,
                            **kw)
         return model, out
 

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from train_fixtures import ConstantGradients, constant_epsilon, plan_for, run_settings, tiny_model, train_pool
-from userdp.training import engine, finished
+from userdp.training import engine, finished, run_seeds, run_state
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +24,18 @@ def pool():
 
 def run(tmp_path, pool, steps=3, lr=1e-2, counter=None, plan_extra=None, **setting):
     plan = plan_for(pool, "els", expected=4.0, steps=steps, sigma=1.0, clip=1.0).replace(**(plan_extra or {}))
-    return engine.train(tiny_model(), pool, plan, run_settings(learning_rate=lr, **setting), engine.RunPaths(tmp_path),
-                        engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0, gradient_source=ConstantGradients,
+    return engine.train(tiny_model(), pool, plan, run_settings(learning_rate=lr, **setting), run_state.RunPaths(tmp_path),
+                        run_seeds.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0, gradient_source=ConstantGradients,
                         compute_epsilon=constant_epsilon,
                         on_step=None if counter is None else (lambda step, row: counter.append(step)))
 
 
-def outputs(paths: engine.RunPaths) -> dict[str, bytes]:
+def outputs(paths: run_state.RunPaths) -> dict[str, bytes]:
     files = [paths.ledger, paths.train_log, *sorted(p for p in paths.model_dir.rglob("*") if p.is_file())]
     return {str(p.relative_to(paths.run_dir)): p.read_bytes() for p in files}
 
 
-def delete_outputs(paths: engine.RunPaths) -> None:
+def delete_outputs(paths: run_state.RunPaths) -> None:
     """What snakemake does before rerunning a job: its declared outputs go (the model folder's files too)."""
     paths.ledger.unlink()
     paths.train_log.unlink()
@@ -44,7 +44,7 @@ def delete_outputs(paths: engine.RunPaths) -> None:
 
 def test_a_finished_run_is_recorded_as_hard_links(tmp_path, pool):
     run(tmp_path, pool)
-    paths = engine.RunPaths(tmp_path)
+    paths = run_state.RunPaths(tmp_path)
     rec = tmp_path / "finished"
     assert (rec / finished.MANIFEST).is_file() and not paths.checkpoint_dir.exists()
     for rel in outputs(paths):
@@ -53,7 +53,7 @@ def test_a_finished_run_is_recorded_as_hard_links(tmp_path, pool):
 
 def test_rerun_after_outputs_deleted_restores_without_training(tmp_path, pool, caplog):
     first = run(tmp_path, pool)
-    paths = engine.RunPaths(tmp_path)
+    paths = run_state.RunPaths(tmp_path)
     before = outputs(paths)
     delete_outputs(paths)
     steps: list[int] = []
@@ -72,7 +72,7 @@ def test_rerun_after_outputs_deleted_restores_without_training(tmp_path, pool, c
                                     "manifest"])
 def test_any_change_makes_the_run_train(tmp_path, pool, monkeypatch, change, caplog):
     run(tmp_path, pool)
-    paths = engine.RunPaths(tmp_path)
+    paths = run_state.RunPaths(tmp_path)
     delete_outputs(paths)
     kw = {}
     if change == "learning_rate":
@@ -99,7 +99,7 @@ def test_any_change_makes_the_run_train(tmp_path, pool, monkeypatch, change, cap
 
 def test_restore_leaves_no_stale_model_files_and_removes_a_checkpoint(tmp_path, pool):
     run(tmp_path, pool)
-    paths = engine.RunPaths(tmp_path)
+    paths = run_state.RunPaths(tmp_path)
     before = outputs(paths)
     delete_outputs(paths)
     paths.model_dir.mkdir()
@@ -120,14 +120,14 @@ def test_the_finished_attempts_log_survives_its_deletion(tmp_path, pool):
     logging.getLogger().setLevel(logging.INFO)
     try:
         plan = plan_for(pool, "els", expected=4.0, steps=3, sigma=1.0, clip=1.0)
-        args = (pool, plan, run_settings(), engine.RunPaths(tmp_path / "run", log_file),
-                engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0)
+        args = (pool, plan, run_settings(), run_state.RunPaths(tmp_path / "run", log_file),
+                run_seeds.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0)
         kw = dict(gradient_source=ConstantGradients, compute_epsilon=constant_epsilon)
         engine.train(tiny_model(), *args, **kw)
         handler.flush()
         first = log_file.read_text()
         assert "run complete: 3 steps" in first
-        delete_outputs(engine.RunPaths(tmp_path / "run"))
+        delete_outputs(run_state.RunPaths(tmp_path / "run"))
         log_file.unlink()  # what snakemake does to an incomplete job's log
         handler.close()
         engine.train(tiny_model(), *args, **kw)
@@ -147,6 +147,6 @@ def test_a_failed_record_does_not_fail_the_finished_run(tmp_path, pool, monkeypa
     monkeypatch.setattr(finished, "record", broken)
     with caplog.at_level("WARNING"):
         out = run(tmp_path, pool)
-    paths = engine.RunPaths(tmp_path)
+    paths = run_state.RunPaths(tmp_path)
     assert out.complete and paths.ledger.is_file() and not paths.checkpoint_dir.exists()  # the secret is gone
     assert "could not record the finished outputs" in caplog.text

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from userdp.io import read_json
-from userdp.layout import fmt_num, iter_cells
+from userdp.layout import fmt_num
+from userdp.grid import iter_cells
 
 
 @pytest.mark.integration
@@ -25,7 +26,8 @@ def test_pretrain_and_finetune_end_to_end(train_stage, tmp_path):
     res = train_stage.snakemake()
     assert res.returncode == 0, res.stderr[-4000:]
     assert (tmp_path / "results/model/pretrained/model.safetensors").exists()
-    assert "pretrain step 20/20" in (tmp_path / "results/logs/pretrain.log").read_text()
+    pretrain_log = (tmp_path / "results/logs/pretrain.log").read_text()
+    assert "pretrain steps (batch " in pretrain_log and ": 20/20 (100.0%)" in pretrain_log
     assert res.stdout.count("rule finetune:") + res.stderr.count("rule finetune:") == 2  # one job per cell
     for cell in iter_cells(cfg):
         plan = read_json(tmp_path / cell.plan_path)

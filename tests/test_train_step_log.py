@@ -17,7 +17,7 @@ import pytest
 from train_fixtures import ConstantGradients, plan_for, run_settings, tiny_model
 from userdp.evaluation.aggregate import build_summary
 from userdp.evaluation.select import copy_train_log
-from userdp.training import engine, step_log
+from userdp.training import engine, run_seeds, run_state, step_log
 
 
 def fake_epsilon(event, delta):
@@ -37,8 +37,8 @@ def _settings(**kw):
 
 def _run(pool, path, method="uls", **kw):
     plan = plan_for(pool, method, expected=3.0, steps=5, sigma=0.8, clip=0.5)
-    seeds = engine.run_seeds(0, 0, "tiny", method, "8", 100, 3, 0.01)
-    return engine.train(tiny_model(), pool, plan, _settings(**kw), engine.RunPaths(path), seeds, 0,
+    seeds = run_seeds.run_seeds(0, 0, "tiny", method, "8", 100, 3, 0.01)
+    return engine.train(tiny_model(), pool, plan, _settings(**kw), run_state.RunPaths(path), seeds, 0,
                         compute_epsilon=fake_epsilon)  # the real ClippedGradients: real batch losses
 
 
@@ -64,7 +64,7 @@ def test_default_run_writes_no_per_step_batch_loss(tmp_path, pool, caplog, metho
             assert not np.isclose(_numbers(frame), value, rtol=1e-6, atol=0).any()
         for text in (f"{value:.4f}", f"{value:.6g}", repr(float(value))[:8]):
             assert text not in caplog.text and text not in ledger_text
-    assert "step 5/5" in caplog.text  # progress is still logged
+    assert "step: 5/5 (100.0%)" in caplog.text  # progress is still logged
     for col in ("seconds", "realised_examples", "clipped_fraction"):
         assert col not in log.columns and col not in cell.columns
 
@@ -98,8 +98,8 @@ def test_update_norms_are_those_of_the_privatised_update(tmp_path, pool, sigma):
     def grab(step, row):
         applied.append(math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters())))
 
-    out = engine.train(model, pool, plan, _settings(optimizer="sgd"), engine.RunPaths(tmp_path),
-                       engine.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0, gradient_source=ConstantGradients,
+    out = engine.train(model, pool, plan, _settings(optimizer="sgd"), run_state.RunPaths(tmp_path),
+                       run_seeds.run_seeds(0, 0, "tiny", "els", "8", 100, 3), 0, gradient_source=ConstantGradients,
                        compute_epsilon=fake_epsilon, on_step=grab)
     log = out.log
     np.testing.assert_allclose(log["update_norm"], applied, rtol=1e-9)  # the norm of what the optimizer used

@@ -2,7 +2,7 @@
 
 The rates share a process (one start-up), not state: a run trained second in a job has the same weights,
 ledger and per-step log as the same run trained on its own, so batching the sweep changes no released model
-and no mechanism (each rate draws its own samples and noise from its own seeds, engine.run_seeds).
+and no mechanism (each rate draws its own samples and noise from its own seeds, run_seeds.run_seeds).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from userdp.config import validate_config
 from userdp.errors import Preempted
 from userdp.io import read_json
-from userdp.layout import PRETRAINED, fmt_num, iter_cells
+from userdp.layout import PRETRAINED, fmt_num
+from userdp.grid import iter_cells
 from userdp.training import engine, finetune_job
 from userdp.training.models import build_model, load_tokenizer, special_ids, save_model_atomic
 from userdp.training.targets import lr_dirs, rates_per_job, sweep_outputs, sweep_runs

@@ -86,10 +86,10 @@ class _StopAt(TrainerCallback):
 
 def _patch_secret(monkeypatch, start: int) -> None:
     """Secret seeds from a fixed sequence: two runs with the same `start` have the same secret state."""
-    from userdp.training import engine
+    from userdp.training import run_seeds
 
     values = itertools.count(start)
-    monkeypatch.setattr(engine.secrets, "randbits", lambda bits: next(values))
+    monkeypatch.setattr(run_seeds.secrets, "randbits", lambda bits: next(values))
 
 
 def _record(seen: list):

@@ -1,4 +1,4 @@
-# The user-level membership audit (target `audit`; docs/privacy.md, "Auditing
+# The user-level membership audit (target `audit`; docs/audits.md, "Auditing
 # the released model"). Canary users, each included with probability 1/2,
 # are added to a dataset's train users; each audited cell (userdp.layout.
 # audit_cells: audit.methods x audit.epsilons + the non-private reference, at
@@ -8,11 +8,11 @@
 # model; and the summary sets the empirical epsilon lower bound next to the
 # claimed one. Not part of rule all: run `snakemake --cores 2 audit`.
 import userdp.evaluation.audit_targets as audit_lib
-from userdp import layout
+from userdp import grid, layout
 from userdp.plotting.registry import figure_targets
 from userdp.training.targets import base_model, run_outputs
 
-_AUDIT_BUDGET, _AUDIT_STEPS = layout.audit_budget(config)
+_AUDIT_BUDGET, _AUDIT_STEPS = grid.audit_budget(config)
 
 
 rule audit_canaries:

@@ -1,4 +1,4 @@
-# The white-box audit of the mechanism (target `audit_mechanism`; docs/privacy.md,
+# The white-box audit of the mechanism (target `audit_mechanism`; docs/audits.md,
 # "White-box audit of the mechanism"). Canary users with a known gradient
 # direction, each included with probability 1/2, are trained through the real
 # engine for every cell of audit.methods x audit.epsilons (noise from the

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test's Snakefile includes only this
 
-from userdp import layout
+from userdp import grid, layout
 from userdp.config import validate_config
 from userdp.privacy import memo
 from userdp.errors import ConfigError
@@ -60,7 +60,7 @@ def data_targets():
     out = []
     for name in config["datasets"]:
         out.append(layout.CONTRIBUTIONS.format(dataset=name))
-    for name in layout.grid_datasets(config):
+    for name in grid.grid_datasets(config):
         out.append(layout.TOKENS.format(dataset=name))
         if has_labels(config["datasets"][name]):
             out.append(layout.USER_LABELS.format(dataset=name))
@@ -68,7 +68,7 @@ def data_targets():
 
 
 def plan_targets():
-    return [cell.plan_path for cell in layout.iter_cells(config)] + [
+    return [cell.plan_path for cell in grid.iter_cells(config)] + [
         layout.ACCOUNTING_COMPARISON,
     ]
 

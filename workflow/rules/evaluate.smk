@@ -150,7 +150,7 @@ rule aggregate:
         ),
         curves=layout.TRAIN_CURVES,
     params:
-        # grid.budgets: the steps of each cell's compute budget (userdp.layout.cell_of_dir), in compute order
+        # grid.budgets: the steps of each cell's compute budget (userdp.grid.cell_of_dir), in compute order
         # (the listed order changes no summary)
         budgets=sorted(config["grid"]["budgets"], key=lambda b: int(b["compute"])),
     log:

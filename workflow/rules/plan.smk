@@ -2,7 +2,7 @@
 # training plan (G, sampling rate, expected batch, calibrated sigma), and the
 # accounting comparison (noise needed vs G for the tight ELS accountant, the
 # group-privacy conversion and ULS) with its figure.
-from userdp import layout
+from userdp import grid, layout
 import userdp.privacy.targets as plan_inputs_lib
 
 # Counts n_u come from tokens.parquet in chunk mode (rows, the unit the pool
@@ -56,7 +56,7 @@ rule plan:
         layout.PLAN,
     params:
         privacy=_plan_privacy,
-        steps=lambda wildcards: layout.steps_for_budget(config, wildcards.budget),
+        steps=lambda wildcards: grid.steps_for_budget(config, wildcards.budget),
         reference_epsilon=_reference_epsilon,
         selection=plan_inputs_lib.selection_param(config),
         group_size=None,
@@ -80,7 +80,7 @@ use rule plan as plan_group_sweep with:
         layout.GROUP_PLAN,
     params:
         privacy=_plan_privacy,
-        steps=lambda wildcards: layout.steps_for_budget(config, wildcards.budget),
+        steps=lambda wildcards: grid.steps_for_budget(config, wildcards.budget),
         reference_epsilon=_reference_epsilon,
         selection=plan_inputs_lib.selection_param(config),
         group_size=lambda wildcards: int(wildcards.group),

@@ -17,7 +17,7 @@ def main() -> None:
     for r in rows:
         if r["bound_exceeds_claim"]:
             log.error("%s eps %g: the empirical lower bound %.4g exceeds the claimed epsilon %.4g: the mechanism or "
-                      "its accounting is wrong (docs/privacy.md, \"White-box audit of the mechanism\")", r["method"],
+                      "its accounting is wrong (docs/audits.md, \"White-box audit of the mechanism\")", r["method"],
                       r["epsilon_target"], r["epsilon_lower_bound"], r["epsilon_claimed"])
 
 

@@ -8,7 +8,7 @@ validation users; the best is released into the cell folder
 import userdp.errors
 import userdp.logutil
 from userdp.evaluation import random_stopping
-from userdp.layout import cell_of_dir
+from userdp.grid import cell_of_dir
 from userdp.privacy.spec import RunSpec
 from userdp.untracked import untracked
 

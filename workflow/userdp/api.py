@@ -288,7 +288,7 @@ def _tokenizer_of(model: str | os.PathLike) -> str:
 def audit_mechanism(config: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, Any], *,
                     method: str | None = None, epsilon: float | None = None, dataset: str = "",
                     threads: int | None = None) -> list[dict[str, Any]]:
-    """The white-box audit of the user-level mechanism (docs/privacy.md, "White-box audit of the mechanism"):
+    """The white-box audit of the user-level mechanism (docs/audits.md, "White-box audit of the mechanism"):
     Dirac canary users trained through the real engine for each cell of the config's audit.methods x
     audit.epsilons (or the one `method` / `epsilon` name), every privatised update scored; one dict per cell
     with the columns of mechanism.csv (claimed and empirical epsilon, ceilings, the exact noise and divisor

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train canary users whose gradient is a known direction through the real engine, for every "
         "cell of audit.methods x audit.epsilons of the config (or the one --method / --epsilon name), score them "
         "from every privatised update and print the empirical epsilon lower bound next to the claimed epsilon "
-        "(docs/privacy.md, \"White-box audit of the mechanism\"). --json prints one JSON object: with both "
+        "(docs/audits.md, \"White-box audit of the mechanism\"). --json prints one JSON object: with both "
         "--method and --epsilon, that cell's fields (the columns of mechanism.csv); otherwise {\"cells\": [...]}, "
         "one object per cell in audit.methods x audit.epsilons order. Exits 2 for a bad config or a cell that "
         "is not audited, 1 when an empirical bound exceeds its claim.")

@@ -21,7 +21,8 @@ import jsonschema
 import yaml
 
 from .errors import ConfigError
-from .layout import fmt_num, sort_keys_in_place
+from .layout import fmt_num
+from .io import sort_keys_in_place
 from .training.settings import check_uls_fits
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
@@ -522,7 +523,7 @@ def _warn_ignored_settings(config: dict, source: str) -> None:
         )
     if config["privacy"].get("secret_seeds") is False:
         from .data.sources import SOURCES
-        from .layout import grid_datasets
+        from .grid import grid_datasets
 
         real = [d for d in grid_datasets(config)
                 if not SOURCES[config["datasets"][d]["source"]].synthetic]

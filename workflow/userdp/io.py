@@ -23,7 +23,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -305,3 +305,39 @@ class ParquetBatchWriter:
         assert self._writer is not None
         self._writer.close()
         return bool(self._ctx.__exit__(exc_type, exc, tb))
+
+
+# ---------------------------------------------------------------- canonical params (rule params, JSON)
+
+
+def sorted_dict(value: Any) -> Any:
+    """A copy of `value` with every mapping's keys in sorted order (recursively).
+
+    For rule params built from the config: Snakemake records a param as its
+    repr, so the record must depend on content only (see sort_keys_in_place).
+    """
+    if isinstance(value, Mapping):
+        return {str(k): sorted_dict(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return [sorted_dict(v) for v in value]
+    return value
+
+
+def sort_keys_in_place(obj: Any) -> None:
+    """Sort the keys of every mapping in `obj`, recursively, keeping each dict object.
+
+    Snakemake compares rule params by their repr, so without this a config
+    whose keys merely come in another order (a reordered file, defaults filled
+    in another order) would rerun every job. Each dict is rebuilt in place
+    (clear + update) because Snakemake's `config` must stay the same object;
+    lists keep their order (it means something: e.g. the first budget).
+    """
+    if isinstance(obj, dict):
+        for value in obj.values():
+            sort_keys_in_place(value)
+        items = sorted(obj.items(), key=lambda kv: str(kv[0]))
+        obj.clear()
+        obj.update(items)
+    elif isinstance(obj, list):
+        for value in obj:
+            sort_keys_in_place(value)

@@ -118,12 +118,12 @@ def run_settings(cfg: dict, spec: RunSpec, args: PrivacyArguments, learning_rate
     the seeds are the engine's run seeds, secret unless args.secret_seeds is False."""
     from .config import API_DATASET
     from .layout import fmt_num
-    from .training import engine
+    from .training import run_seeds
     from .training.settings import TrainSettings
 
     settings = TrainSettings.from_config(cfg, float(learning_rate))
     settings.optimizer, settings.schedule = optimizer, schedule
-    seeds = engine.run_seeds(args.seed, 0, API_DATASET, spec.method, fmt_num(spec.epsilon), spec.compute_budget or 0,
+    seeds = run_seeds.run_seeds(args.seed, 0, API_DATASET, spec.method, fmt_num(spec.epsilon), spec.compute_budget or 0,
                              spec.group_size, float(learning_rate), secret=args.secret_seeds)
     return settings, seeds
 

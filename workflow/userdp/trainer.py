@@ -186,7 +186,7 @@ class UserDPTrainer(Trainer):
     def _state_key(self) -> dict[str, Any]:
         """What a checkpoint's DP state must match: the mechanism and the bounded pool."""
         from .training import checkpoint as ckpt
-        from .training.engine import FINGERPRINT_PLAN_KEYS
+        from .training.run_state import FINGERPRINT_PLAN_KEYS
 
         pool = self._pool
         return {"plan": {k: getattr(self.spec, k) for k in FINGERPRINT_PLAN_KEYS},

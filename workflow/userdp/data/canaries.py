@@ -1,4 +1,4 @@
-"""Canary users for the user-level membership audit (docs/privacy.md, "Auditing the released model").
+"""Canary users for the user-level membership audit (docs/audits.md, "Auditing the released model").
 
 A canary is a synthetic user whose every example is the same distinctive
 sequence: bos + a prefix of `prefix_length` tokens + a secret of

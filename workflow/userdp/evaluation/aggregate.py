@@ -41,7 +41,7 @@ import pandas as pd
 
 from ..errors import DataError
 from ..io import atomic_path, clean_floats, read_frame, read_json, write_parquet
-from ..layout import Cell, cell_of_dir
+from ..grid import Cell, cell_of_dir
 from ..privacy import seed_secrecy
 from ..privacy.spec import RunSpec
 from .targets import SUMMARY_INPUTS
@@ -162,7 +162,7 @@ def build_summary(config: Mapping, inputs: Mapping[str, Sequence[str | os.PathLi
 
     `inputs` maps each of SUMMARY_INPUTS to one path per cell (rule
     aggregate's input). Each cell is identified by the folder of its
-    metrics.json (userdp.layout.cell_of_dir; its steps from the config's
+    metrics.json (userdp.grid.cell_of_dir; its steps from the config's
     grid.budgets). Curves come in input order.
     """
     missing = [k for k in SUMMARY_INPUTS if k not in inputs]

@@ -1,6 +1,6 @@
 """Inputs, params and targets of the audit rules (workflow/rules/audit.smk), from the config.
 
-The audit trains each audited cell (userdp.layout.audit_cells) through the
+The audit trains each audited cell (userdp.grid.audit_cells) through the
 pipeline's own stages: the plan comes from userdp.privacy.planner.plan_cell
 with the plan rule's privacy params, the run from rule finetune's script and
 params (userdp.training.targets), on the dataset's train rows plus the
@@ -12,16 +12,16 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from .. import layout
+from .. import grid, layout
 from ..data.canaries import resolved_secret_length
-from ..layout import sorted_dict
+from ..io import sorted_dict
 from ..privacy import targets as plan_targets
 from ..training import targets as train_targets
 
 
 def audited_datasets(config: Mapping) -> list[str]:
     """The datasets with audited cells, in config order."""
-    return list(dict.fromkeys(c.dataset for c in layout.audit_cells(config)))
+    return list(dict.fromkeys(c.dataset for c in grid.audit_cells(config)))
 
 
 def canary_params(config: Mapping) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def reference_epsilon(config: Mapping, method: str, eps: str) -> float | None:
     """For a non-private audited cell whose G comes from the SNR rule (or DP statistics): the largest audit epsilon."""
     if eps != "inf" or plan_targets.reference_epsilon_param(config, method, eps) is None:
         return None
-    finite = layout.audit_epsilons(config)
+    finite = grid.audit_epsilons(config)
     return max(finite) if finite else plan_targets.reference_epsilon_param(config, method, eps)
 
 
@@ -100,7 +100,7 @@ def run_dir(wildcards: Any, lr: str) -> str:
 
 def score_inputs(config: Mapping, wildcards: Any) -> dict[str, Any]:
     """Rule audit_score's inputs: the audited model and ledger, the canaries, the reference model's files."""
-    folder = run_dir(wildcards, layout.fmt_num(layout.audit_learning_rate(config)))
+    folder = run_dir(wildcards, layout.fmt_num(grid.audit_learning_rate(config)))
     ins: dict[str, Any] = {
         "model": train_targets.run_model_files(f"{folder}/{layout.RUN_MODEL}", config),
         "ledger": f"{folder}/{layout.LEDGER}",
@@ -165,7 +165,7 @@ def ceiling_check(ceiling: Mapping[str, float], *, canaries: int, delta: float, 
 
 def result_files(config: Mapping, dataset: str) -> list[str]:
     """The audit result (JSON) of every audited cell of `dataset`."""
-    return [layout.AUDIT_RESULT.format(**layout.audit_wildcards(c, config)) for c in layout.audit_cells(config)
+    return [layout.AUDIT_RESULT.format(**grid.audit_wildcards(c, config)) for c in grid.audit_cells(config)
             if c.dataset == dataset]
 
 

@@ -39,6 +39,7 @@ import pandas as pd
 from scipy import stats
 
 from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES
+from .audit_stats import auc
 
 REPRODUCED = "reproduced"
 NOT_REPRODUCED = "not reproduced"
@@ -495,16 +496,6 @@ def _paired_auc_difference(els: pd.DataFrame, uls: pd.DataFrame, score: str) -> 
     return m[f"{score}_els"].to_numpy(float), m[f"{score}_uls"].to_numpy(float), m["included_els"].to_numpy(bool)
 
 
-def _auc_rows(scores: np.ndarray, included: np.ndarray) -> np.ndarray:
-    """ROC AUC of each row of `scores` (rows: bootstrap resamples of the canaries), ties counting 1/2."""
-    from scipy.stats import rankdata
-
-    ranks = rankdata(scores, axis=1)
-    n_in = included.sum(axis=1)
-    n_out = included.shape[1] - n_in
-    return ((ranks * included).sum(axis=1) - n_in * (n_in + 1) / 2) / (n_in * n_out)
-
-
 def audit_findings(results: Sequence[Mapping], scores: Mapping[tuple[str, str, str], pd.DataFrame],
                    seed: int = 0) -> list[Finding]:
     """Claim 9: ELS - ULS ROC AUC (AUDIT_SCORE, the loss) at each finite audited epsilon, mean over epsilons and
@@ -528,10 +519,10 @@ def audit_findings(results: Sequence[Mapping], scores: Mapping[tuple[str, str, s
     point, boot, parts = 0.0, np.zeros(AUDIT_BOOTSTRAP), []
     for d, e in pairs:
         s_els, s_uls, inc = _paired_auc_difference(scores[(d, "els", _fmt(e))], scores[(d, "uls", _fmt(e))], key)
-        diff = _auc_rows(s_els[None], inc[None])[0] - _auc_rows(s_uls[None], inc[None])[0]
+        diff = auc(s_els, inc) - auc(s_uls, inc)
         idx = rng.integers(0, inc.size, size=(AUDIT_BOOTSTRAP, inc.size))
         with np.errstate(invalid="ignore", divide="ignore"):  # a resample with one class only has no AUC (nan)
-            boot += (_auc_rows(s_els[idx], inc[idx]) - _auc_rows(s_uls[idx], inc[idx])) / len(pairs)
+            boot += (auc(s_els[idx], inc[idx]) - auc(s_uls[idx], inc[idx])) / len(pairs)
         point += diff / len(pairs)
         ce, cu = cells[(d, "els", e)], cells[(d, "uls", e)]
         parts.append(f"{d} eps {_fmt(e)} (claimed ELS {float(ce['epsilon_claimed']):.3g}, ULS "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from .. import layout
+from .. import grid, layout
 from ..io import read_frame, read_json, write_json
 from . import findings
 from .aggregate import write_csv
@@ -22,7 +22,7 @@ def diversity_of(config: Mapping, dataset: str) -> float | None:
 def inputs(config: Mapping) -> dict[str, list[str] | str]:
     """The findings rule's inputs: each grid dataset's summary and pretrained metrics, the accounting comparison
     and the mean-estimation results."""
-    datasets = layout.grid_datasets(config)
+    datasets = grid.grid_datasets(config)
     ins = {
         "summaries": [layout.SUMMARY.format(dataset=d) for d in datasets],
         "pretrained": [layout.PRETRAINED_METRICS.format(dataset=d) for d in datasets],
@@ -31,7 +31,7 @@ def inputs(config: Mapping) -> dict[str, list[str] | str]:
         "users": [layout.SUMMARY_USERS.format(dataset=d) for d in datasets],  # claims 11-14 (user groups)
     }
     if config["findings"]["audit"]:  # claim 9 reads the audit: the findings rule then runs it
-        wild = [layout.audit_wildcards(c, config) for c in layout.audit_cells(config)]
+        wild = [grid.audit_wildcards(c, config) for c in grid.audit_cells(config)]
         ins["audit_results"] = [layout.AUDIT_RESULT.format(**w) for w in wild]
         ins["audit_scores"] = [layout.AUDIT_SCORES.format(**w) for w in wild]
     return ins
@@ -45,13 +45,13 @@ def targets(config: Mapping) -> list[str]:
 def params(config: Mapping) -> dict:
     """Rule findings' params: what the job reads besides its input files. `settings` (the findings section),
     the grid's datasets (in the order of the summaries and pretrained inputs), each one's diversity level
-    and where the G sweep runs (layout.group_sweep_point)."""
-    datasets = layout.grid_datasets(config)
+    and where the G sweep runs (grid.group_sweep_point)."""
+    datasets = grid.grid_datasets(config)
     return {"settings": config["findings"], "datasets": datasets,
-            "audit_cells": [[c.dataset, c.method, layout.fmt_num(c.epsilon)] for c in layout.audit_cells(config)]
+            "audit_cells": [[c.dataset, c.method, layout.fmt_num(c.epsilon)] for c in grid.audit_cells(config)]
             if config["findings"]["audit"] else [],
             "diversities": {d: diversity_of(config, d) for d in datasets},
-            "group_sweep_point": layout.group_sweep_point(config),
+            "group_sweep_point": grid.group_sweep_point(config),
             # claims 11-14: the groups section (as rule groups reads it) and the seed of the bootstrap draws
             "groups": {k: v for k, v in config["groups"].items() if k != "per_user_points"}, "seed": config["seed"]}
 

@@ -51,7 +51,7 @@ import pandas as pd
 
 from ..errors import DataError
 from ..io import read_frame, write_parquet
-from ..layout import cell_of_dir
+from ..grid import cell_of_dir
 from ..seeding import derive_seed_crc32
 from .targets import USER_SCORE_COLUMNS
 
@@ -136,7 +136,7 @@ def build_users(dataset: str, cell_files: Sequence[str], pretrained_file: str, l
                 summary: pd.DataFrame | None, settings: Settings) -> tuple[pd.DataFrame, dict]:
     """The per-user table (USER_COLUMNS) of one dataset and how its contribution buckets were formed.
 
-    `cell_files`: each cell's users.parquet (its cell from its folder, layout.cell_of_dir); every file must hold
+    `cell_files`: each cell's users.parquet (its cell from its folder, grid.cell_of_dir); every file must hold
     the same users (the evaluation's seeded choice), else the data are from different evaluations.
     """
     frames = []

@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 from scipy import special, stats
 
-from .audit import correct_guesses, epsilon_lower_bound, epsilon_lower_bound_fdp, guess_sets
+from .audit_stats import correct_guesses, epsilon_lower_bound, epsilon_lower_bound_fdp, guess_sets
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +435,7 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
     """
     import torch
 
-    from ..training import engine, optim
+    from ..training import optim, run_seeds
     from ..training.pool import build_pool
     from ..training.private import PrivateTraining
     from ..training.settings import TrainSettings
@@ -461,7 +461,7 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
         released.append(wte.grad[canary_rows].detach().numpy().copy())
         free.append(wte.grad[free_rows].detach().numpy().copy())
 
-    seeds = engine.run_seeds(int(setup.seed), 0, "mechanism-audit", setup.method, fmt(setup.epsilon), 0,
+    seeds = run_seeds.run_seeds(int(setup.seed), 0, "mechanism-audit", setup.method, fmt(setup.epsilon), 0,
                              setup.group_size)
     # The audit drives the core userdp.make_private returns (PrivateTraining: engine.setup + the engine's step),
     # with the config's optimizer and schedule at learning rate 0; nothing is written.
@@ -568,7 +568,8 @@ def audit_cell(setup: CellSetup, *, settings: Mapping[str, Any] | None = None, d
 
 def mechanism_params(config: Mapping) -> dict[str, Any]:
     """Everything the audit of one dataset reads from the config (rule params; the CLI uses the same)."""
-    from ..layout import audit_epsilons, sorted_dict
+    from ..grid import audit_epsilons
+    from ..io import sorted_dict
 
     a = config["audit"]
     mech = dict(a["mechanism"])

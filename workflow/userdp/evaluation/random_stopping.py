@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .. import layout
+from .. import grid, layout
 from ..errors import DataError
 from ..io import atomic_path, json_text, read_json, write_json
 from ..layout import fmt_num
@@ -146,7 +146,7 @@ def run_cell(job: RandomStoppingJob, *, out_metrics: str, out_ledger: str, out_t
     train(job, trial, learning_rate, run_dir) and evaluate(job, model_dir) are the finetune job and the
     evaluation of rule evaluate (tests inject stand-ins).
     """
-    from ..training.engine import RunPaths
+    from ..training.run_state import RunPaths
 
     selection = RunSpec.load(job.plan).selection_policy
     if selection.mode != "random_stopping":
@@ -252,8 +252,8 @@ def job_config(settings: Mapping, untracked: Mapping, learning_rates: list[float
     return job
 
 
-def job_from_cell(config: dict, cell: layout.Cell, **paths: Any) -> RandomStoppingJob:
-    """The job of a grid cell (its wildcards from layout.Cell) with the rule's input paths."""
+def job_from_cell(config: dict, cell: grid.Cell, **paths: Any) -> RandomStoppingJob:
+    """The job of a grid cell (its wildcards from grid.Cell) with the rule's input paths."""
     return RandomStoppingJob(config=config, dataset=cell.dataset, method=cell.method, eps=cell.eps_text,
                              budget=str(cell.compute), seed=int(cell.seed), group=int(cell.group_size or 0),
                              cell_dir=cell.run_dir, **paths)

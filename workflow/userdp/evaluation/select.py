@@ -8,7 +8,7 @@ Privacy: validation users are disjoint from the training users and are
 treated like test data (held out, not protected by the fine-tuning's DP
 guarantee). Choosing among k rates is NOT free for the training data: the
 choice is a function of k models trained on it. Each rate's run draws its own
-Poisson samples and noise (training.engine.run_seeds), so the k runs are
+Poisson samples and noise (training.run_seeds.run_seeds), so the k runs are
 independent mechanisms, and the released model's guarantee is that of the
 selection (`privacy.selection`, userdp.privacy.selection): their composition
 (plus the DP contribution statistics release once, when there is one), or the

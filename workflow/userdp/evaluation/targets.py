@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from .. import layout
+from .. import grid, layout
 from ..training.targets import learning_rate_texts
 
 
@@ -61,8 +61,8 @@ def run_file(dataset: str, cell: str, lr: str, name: str) -> str:
 
 def cell_user_scores(config: Mapping, dataset: str) -> list[str]:
     """The per-user test scores (users.parquet) of every cell of `dataset`'s grid (rule groups' input), in the
-    order of `layout.iter_cells`."""
-    return [f"{c.run_dir}/{layout.USER_SCORES}" for c in layout.iter_cells(config) if c.dataset == dataset]
+    order of `grid.iter_cells`."""
+    return [f"{c.run_dir}/{layout.USER_SCORES}" for c in grid.iter_cells(config) if c.dataset == dataset]
 
 
 def lr_run_files(config: Mapping, dataset: str, cell: str, name: str) -> list[str]:
@@ -82,7 +82,7 @@ SUMMARY_INPUTS = ("plans", "metrics", "ledgers", "train_logs")
 
 def summary_inputs(config: dict, dataset: str) -> dict[str, list[str]]:
     """Plan, metrics, ledger and train log of every cell of `dataset` (rule aggregate's inputs, cell by cell)."""
-    cells = [c for c in layout.iter_cells(config) if c.dataset == dataset]
+    cells = [c for c in grid.iter_cells(config) if c.dataset == dataset]
     files = (
         [c.plan_path for c in cells],
         [f"{c.run_dir}/{layout.METRICS}" for c in cells],
@@ -94,8 +94,8 @@ def summary_inputs(config: dict, dataset: str) -> dict[str, list[str]]:
 
 def evaluation_targets(config: dict) -> list[str]:
     """Every cell's metrics.json, the pretrained metrics, the summaries and the group tables."""
-    out = [f"{cell.run_dir}/{layout.METRICS}" for cell in layout.iter_cells(config)]
-    for name in layout.grid_datasets(config):
+    out = [f"{cell.run_dir}/{layout.METRICS}" for cell in grid.iter_cells(config)]
+    for name in grid.grid_datasets(config):
         out += [t.format(dataset=name)
                 for t in (layout.PRETRAINED_METRICS, layout.SUMMARY, layout.SUMMARY_CSV, layout.TRAIN_CURVES,
                           layout.SUMMARY_USERS, layout.GROUPS, layout.GROUPS_CSV)]
@@ -137,7 +137,7 @@ def random_stopping_inputs(config: dict, dataset: str, cell: str) -> dict[str, s
     """Inputs of rule random_stopping for one cell: its plan, tokens, tokenizer and base model (as finetune's)."""
     from ..training.targets import finetune_inputs
 
-    c = layout.cell_of_dir(layout.CELL_DIR.format(dataset=dataset, cell=cell), config)
+    c = grid.cell_of_dir(layout.CELL_DIR.format(dataset=dataset, cell=cell), config)
     wildcards = {"dataset": dataset, "method": c.method, "eps": c.eps_text, "budget": c.compute,
                  "group": c.group_size}
     return finetune_inputs(config, _Wildcards(wildcards))

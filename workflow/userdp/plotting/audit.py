@@ -1,7 +1,7 @@
 """The audit figures: empirical user-level epsilon lower bound vs claimed epsilon.
 
 `empirical_vs_claimed` draws the black-box membership audit of released models
-from its summary (userdp.evaluation.audit.summary_rows); `mechanism_vs_claimed`
+from its summary (userdp.evaluation.audit_report.summary_rows); `mechanism_vs_claimed`
 draws the white-box audit of the mechanism from results/audit/{dataset}/
 mechanism.csv (userdp.evaluation.mechanism_audit). Both plot, for each
 cell the (epsilon, delta) one-run bound (filled) and, where the summary has
@@ -112,7 +112,7 @@ def _bounds_vs_claimed(table: pd.DataFrame, heading: str, dataset: str | None) -
     ax.legend(fontsize=8, loc="upper left")
     title = f"{dataset}: " if dataset else ""
     ax.set_title(f"{title}{heading}", fontsize=10)
-    fig.text(0.01, -0.02, "A lower bound is evidence of leakage, not a proof of privacy (docs/privacy.md).",
+    fig.text(0.01, -0.02, "A lower bound is evidence of leakage, not a proof of privacy (docs/audits.md).",
              fontsize=7, color="0.3")
     fig.tight_layout()
     return fig

@@ -30,7 +30,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .. import layout
+from .. import grid, layout
 from ..data.targets import datasets_regex
 
 FORMATS = ("png", "pdf")
@@ -169,7 +169,7 @@ class Figure:
 
 
 LM = Family(
-    "lm", "Language-model fine-tuning", _draw_returned_figure, datasets=layout.grid_datasets, subcategory="{dataset}"
+    "lm", "Language-model fine-tuning", _draw_returned_figure, datasets=grid.grid_datasets, subcategory="{dataset}"
 )
 MEAN_ESTIMATION = Family("mean_estimation", "Mean estimation (synthetic)", _draw_mean_estimation)
 CONTRIBUTIONS = Family(
@@ -192,7 +192,7 @@ AUDIT = Family("audit", "Privacy audit", _draw_returned_figure, datasets=_audite
 AUDIT_MECHANISM = Family("audit_mechanism", "Privacy audit", _draw_returned_figure, datasets=_audited_datasets,
                          subcategory="{dataset}", report_formats=("png",), in_all=False)
 # Who pays for privacy: the cost of privacy per user group (rule groups' tables), per grid dataset.
-GROUPS = Family("groups", "Who pays for privacy", _draw_returned_figure, datasets=layout.grid_datasets,
+GROUPS = Family("groups", "Who pays for privacy", _draw_returned_figure, datasets=grid.grid_datasets,
                 subcategory="{dataset}", report_formats=("png",))
 FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT, AUDIT_MECHANISM, GROUPS)}
 
@@ -207,7 +207,7 @@ def _register(figure: Figure) -> None:
 
 
 def _group_sweep_point(config: Mapping) -> dict:
-    at = layout.group_sweep_point(config)
+    at = grid.group_sweep_point(config)
     return {"epsilon": at["epsilon"], "budget": at["budget"]}
 
 
@@ -241,7 +241,7 @@ def _per_user_points(config: Mapping) -> dict:
     # groups.per_user_points: per dataset, whether the figure draws a point per held-out test user
     mode = config["groups"]["per_user_points"]
     return {"points": {d: mode == "always" or (mode == "synthetic" and config["datasets"][d].get("source")
-                                                == "synthetic") for d in layout.grid_datasets(config)}}
+                                                == "synthetic") for d in grid.grid_datasets(config)}}
 
 
 _register(Figure("groups_cost", GROUPS, {"groups": layout.GROUPS, "summary": layout.SUMMARY},

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import layout
-from ..layout import sorted_dict
+from ..io import sorted_dict
 from .seed_secrecy import secret_seeds  # noqa: F401 (rule contribution_stats_dp's `secret` param)
 
 

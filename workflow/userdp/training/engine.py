@@ -48,64 +48,33 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import signal
 import threading
 import time
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 import torch
 
-from ..errors import DataError, Preempted
+from ..errors import Preempted
+from ..logutil import Progress
 from ..io import read_frame, read_json, write_json, write_parquet
-from ..layout import LEDGER, RUN_MODEL, TRAIN_LOG, fmt_num
-from ..privacy import mechanism as privacy_mechanism
 from ..privacy.spec import RunSpec
-from ..seeding import derive_seed
 from . import checkpoint as ckpt
 from . import distributed, finished, model_card, step_log
-from .batching import StepSelection, check_uls_fits, pack_micro_batches, select_els, select_uls
-from .gradients import GradientSource, GradientSourceFactory, MicroBatchStats
+from .batching import StepSelection
+from .gradients import GradientSourceFactory
 from .ledger import RunFacts, build_ledger
-from .models import autocast_context, resolve_device, save_model_atomic
-from .noise import GaussianNoise
-from .optim import AdamBC, make_optimizer, make_scheduler
+from .models import resolve_device, save_model_atomic
 from .pool import TrainingPool
-from .sampling import PoissonSampler
+from .run_seeds import draw_secret_seeds, public_seeds
+from .run_state import RunMechanism, RunPaths, RunState, StepSums, run_fingerprint
 from .settings import TrainSettings
+from .step import DPStep, Observer, RunContext, StepHook, StepObservation, default_gradient_source, divisor_for
 
 log = logging.getLogger(__name__)
-
-# The per-step log's columns, and which of them leave the run (training.debug_step_log): step_log.
-LOG_COLUMNS = step_log.LOG_COLUMNS
-# The plan keys that define the mechanism a checkpoint belongs to.
-FINGERPRINT_PLAN_KEYS = ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size",
-                         "steps", "delta")
-
-
-@dataclass
-class RunPaths:
-    """Where a run writes: ledger, per-step log, final model, checkpoint."""
-
-    run_dir: Path
-    log: Path | None = None  # the job's log file (kept in the finished record, see userdp.training.finished)
-    ledger: Path = field(init=False)
-    train_log: Path = field(init=False)
-    model_dir: Path = field(init=False)
-    checkpoint_dir: Path = field(init=False)
-    card: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.run_dir = Path(self.run_dir)
-        self.log = None if self.log is None else Path(self.log)
-        self.ledger = self.run_dir / LEDGER
-        self.train_log = self.run_dir / TRAIN_LOG
-        self.model_dir = self.run_dir / RUN_MODEL
-        self.checkpoint_dir = self.run_dir / "checkpoint"
-        self.card = self.run_dir / model_card.CARD
 
 
 @dataclass
@@ -114,456 +83,6 @@ class TrainOutcome:
     steps_completed: int
     ledger: dict[str, Any] | None
     log: pd.DataFrame
-
-
-def run_seeds(config_seed: int, run_seed: int, dataset: str, method: str, eps: str, budget: int | str,
-              group_size: int, learning_rate: float | None = None, secret: bool = False,
-              trial: int | None = None) -> dict[str, Any]:
-    """Seeds of a run, derived from the config seed, the cell and its learning rate.
-
-    The learning rate IS part of the seeds: runs of a learning-rate sweep that
-    shared their batches and noise would let the noise cancel between two
-    released models (with SGD, (theta0 - theta_a)/lr_a - (theta0 - theta_b)/lr_b
-    is a noise-free sum of clipped gradients), so every rate draws its own
-    Poisson samples and its own noise, and the k runs of a sweep compose as k
-    independent mechanisms (see evaluation.select).
-
-    secret: the sampler and noise seeds are replaced by fresh OS entropy when
-    training starts (`privacy.secret_seeds`): with seeds derived from the
-    config, anyone who has the config can regenerate the Poisson samples and
-    the noise of a released model, which voids the guarantee.
-
-    trial: the run's index among a random-stopping cell's runs
-    (privacy.selection.accounting: random_stopping), which may draw the same
-    learning rate twice; each run is an independent mechanism, so the index
-    is part of its seeds.
-    """
-    cell = (int(config_seed), dataset, method, eps, int(budget), int(group_size), int(run_seed))
-    if learning_rate is not None:
-        cell = cell + (fmt_num(float(learning_rate)),)
-    if trial is not None:
-        cell = cell + ("trial", int(trial))
-    return {
-        "config": int(config_seed),
-        "run": int(run_seed),
-        "sampler": derive_seed(*cell, "sampler"),
-        "noise": derive_seed(*cell, "noise"),
-        "torch": derive_seed(*cell, "torch"),
-        "secret": bool(secret),
-    }
-
-
-SECRET_SEEDS = ("sampler", "noise")
-
-
-def draw_secret_seeds(seeds: dict[str, Any], dist: distributed.DistContext | None,
-                      device: torch.device) -> dict[str, Any]:
-    """`seeds` with the sampler and noise seeds drawn from OS entropy (rank 0's, sent to every rank).
-
-    Every rank must draw the same Poisson sample, so rank 0 draws and broadcasts.
-    """
-    fresh = {k: secrets.randbits(63) for k in SECRET_SEEDS} if dist is None or dist.is_main else None
-    fresh = distributed.broadcast_object(fresh, dist, device)
-    return {**seeds, **fresh}
-
-
-def public_seeds(seeds: dict[str, Any]) -> dict[str, Any]:
-    """The seeds as written to the ledger and the checkpoint fingerprint: secret ones masked."""
-    if not seeds.get("secret"):
-        return dict(seeds)
-    return {k: ("secret" if k in SECRET_SEEDS else v) for k, v in seeds.items()}
-
-
-def run_fingerprint(spec: RunSpec, settings: TrainSettings, device: torch.device, seeds: dict[str, Any],
-                    pool: TrainingPool, model: torch.nn.Module, n_units: int) -> str:
-    """What a checkpoint must match to be resumed: the mechanism, the result-changing settings
-    (TrainSettings.result_settings, with the device type the run uses), the public seeds, and the
-    content of the base model and the pool (a rebuilt model or training data must not resume an old run).
-    """
-    return ckpt.fingerprint({
-        "plan": {k: getattr(spec, k) for k in FINGERPRINT_PLAN_KEYS},
-        "settings": settings.result_settings(device=device.type),
-        "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
-        "sampler": PoissonSampler.SCHEME,
-        "model": ckpt.model_digest(model),
-        "pool": ckpt.arrays_digest(*pool.content_arrays()),
-    })
-
-
-@dataclass(frozen=True)
-class RunMechanism:
-    """The spec's mechanism (`privacy.mechanism`) for one run, with its noise and clipping, checked against the pool."""
-
-    mechanism: privacy_mechanism.Mechanism  # method, q, T, G
-    sigma: float           # noise multiplier (0: no noise)
-    clip_norm: float | None  # None: non-private reference (no clipping)
-    normalize: bool        # normalized clipping C g / ||g||
-
-    @classmethod
-    def of(cls, spec: RunSpec, pool: TrainingPool, settings: TrainSettings) -> "RunMechanism":
-        mech = spec.mechanism
-        if pool.group_size != mech.group_size:
-            raise DataError(f"the training pool was bounded with G = {pool.group_size} but the plan says group_size "
-                            f"{mech.group_size}.")
-        if mech.unit == "users":
-            check_uls_fits(mech.group_size, settings.physical_batch_size, settings.uls_examples_per_user)
-        clip_norm = None if spec.clip_norm is None else float(spec.clip_norm)
-        return cls(mech, float(spec.noise_multiplier), clip_norm, spec.normalized)
-
-    @property
-    def method(self) -> str:
-        return self.mechanism.name
-
-    @property
-    def steps(self) -> int:
-        return int(self.mechanism.steps)
-
-    @property
-    def group_size(self) -> int:
-        return int(self.mechanism.group_size)
-
-    @property
-    def rate(self) -> float:
-        return float(self.mechanism.sampling_rate)
-
-    @property
-    def unit_name(self) -> str:
-        return self.mechanism.unit
-
-    def n_units(self, pool: TrainingPool) -> int:
-        """N: the number of units the sampler draws from (bounded examples or train users)."""
-        return pool.n_examples if self.unit_name == "examples" else pool.n_users
-
-
-def divisor_for(spec: RunSpec, mech: RunMechanism, n_units: int, expected: float) -> float:
-    """The public constant the noisy sum is divided by (the spec's `divisor_policy`): q * N on this pool, or the
-    plan's expected batch when the plan's sizes come from the DP contribution statistics (docs/privacy.md): there
-    q * N_G would depend on the exact pool size N_G, which is not public, while the plan's K / T (ELS) or
-    q_u * N (ULS) is."""
-    if spec.divisor_policy == "planned":
-        planned = float(spec.expected_batch)
-        if not planned > 0:
-            raise DataError(f"plan expected_batch is {planned}; the plan does not fit this pool. Rebuild the plan.")
-        return planned  # no comparison with q * N: a message with it would print the exact pool size
-    if expected <= 0:
-        raise DataError(f"expected batch size q * N = {mech.rate} * {n_units} is 0; the plan does not fit this pool.")
-    planned = spec.expected_batch
-    if planned is not None and abs(float(planned) - expected) > 1e-3 * max(expected, 1.0):
-        log.warning(
-            "plan expected_batch %.6g differs from q * N = %.6g on this pool (N = %d %s); dividing by q * N, "
-            "the expectation of the realised size under this sampler.",
-            float(planned), expected, n_units, mech.unit_name,
-        )
-    return expected
-
-
-@dataclass
-class StepSums:
-    """Statistics of one step, summed over its micro-batches (and over ranks after `privatize`)."""
-
-    loss_sum: float = 0.0
-    n_rows: int = 0
-    n_units: int = 0
-    clipped: float = 0.0   # sum over micro-batches of clipped_fraction * units
-    norm_sum: float = 0.0  # sum of the units' pre-clip norms (finite ones)
-    norm_n: int = 0
-    nonfinite_units: int = 0  # units dropped for a NaN/inf gradient (they contributed zero)
-
-    def add(self, stats: MicroBatchStats) -> None:
-        """Add one micro-batch's statistics (a gradient source's `accumulate` result)."""
-        self.loss_sum += float(stats.loss_sum)
-        self.n_rows += int(stats.n_rows)
-        k = int(stats.n_units)
-        self.n_units += k
-        self.clipped += float(stats.clipped_fraction or 0.0) * k
-        self.nonfinite_units += int(stats.nonfinite_units or 0)
-        if stats.unit_norms is not None:
-            t = torch.as_tensor(stats.unit_norms).detach().float().reshape(-1)
-            t = t[torch.isfinite(t)]  # a dropped unit's NaN/inf norm is counted in nonfinite_units instead
-            self.norm_sum, self.norm_n = self.norm_sum + float(t.sum()), self.norm_n + int(t.numel())
-
-    def summed_over_ranks(self, dist: distributed.DistContext | None, device: torch.device) -> "StepSums":
-        """The totals over every rank of a data-parallel group (self with one process)."""
-        if dist is None or not dist.active:
-            return self
-        total = StepSums(*distributed.all_reduce_sums(list(astuple(self)), dist, device))
-        total.n_rows, total.n_units, total.norm_n = int(total.n_rows), int(total.n_units), int(total.norm_n)
-        total.nonfinite_units = int(total.nonfinite_units)
-        return total
-
-
-@dataclass
-class StepObservation:
-    """What one step computed, handed to `train(observe=...)` by the `Observer` step hook.
-
-    The hook for tests and audits of the mechanism (tests/test_replay_neighbouring.py): on D and on D
-    minus one user, with the same seeds, every step must sample the same other units, draw the same
-    noise and have clipped sums at most k_t C (ELS) or C (ULS) apart.
-
-    step: 1-based. selection: the sampled units (pool rows of every unit, StepSelection; map them to
-    users with pool.example_user). clipped_sum: per trainable parameter, the sum over all ranks of the
-    clipped per-unit gradients, before noise (an extra all-reduce with several processes, only when
-    observing). noise: the noise rank 0 added to it (None on other ranks and when sigma or C is 0).
-    nonfinite_units: units dropped for a non-finite gradient.
-    """
-
-    step: int
-    selection: StepSelection
-    clipped_sum: list[torch.Tensor]
-    noise: list[torch.Tensor] | None
-    nonfinite_units: int
-
-
-class StepHook:
-    """Called by `DPStep` at the points of a step where the mechanism can be observed; this one does nothing.
-
-    before_noise: p.grad holds this rank's clipped sum, before noise. noise_record: a list the noise
-    generator appends the noise it adds to (None: record nothing). after_step: the step's update is
-    applied (step is 1-based).
-    """
-
-    def before_noise(self, params: list[torch.nn.Parameter], dist: distributed.DistContext | None) -> None:
-        pass
-
-    def noise_record(self) -> list[torch.Tensor] | None:
-        return None
-
-    def after_step(self, step: int, selection: StepSelection, sums: StepSums) -> None:
-        pass
-
-
-class Observer(StepHook):
-    """Hands every step's `StepObservation` to `fn` (copies of the clipped sum and the noise)."""
-
-    def __init__(self, fn: Callable[[StepObservation], None]) -> None:
-        self.fn = fn
-        self._clipped: list[torch.Tensor] = []
-        self._noise: list[torch.Tensor] = []
-
-    def before_noise(self, params, dist) -> None:
-        self._clipped = [p.grad.detach().clone() for p in params]
-        if dist is not None and dist.active:
-            distributed.all_reduce_grads_of(self._clipped, dist)
-
-    def noise_record(self) -> list[torch.Tensor]:
-        self._noise = []
-        return self._noise
-
-    def after_step(self, step, selection, sums) -> None:
-        self.fn(StepObservation(step, selection, self._clipped, self._noise or None, sums.nonfinite_units))
-
-
-def _default_gradient_source() -> GradientSourceFactory:
-    from .clipping import ClippedGradients
-
-    return ClippedGradients
-
-
-class DPStep:
-    """One DP-SGD step of the mechanism: `sample` -> `clipped_sum` -> `privatize` (Opacus' pre_step order).
-
-    Leaves the privatised update direction (noisy clipped sum / divisor) in p.grad
-    of every trainable parameter; the optimizer step is the caller's.
-    """
-
-    def __init__(self, ctx: "RunContext", state: "RunState", grads: GradientSource, divisor: float,
-                 hook: StepHook | None = None):
-        self.ctx, self.grads, self.hook = ctx, grads, hook or StepHook()
-        self.mech, self.pool, self.settings, self.dist = ctx.mech, ctx.pool, ctx.settings, ctx.dist
-        self.sampler, self.noise, self.params = state.sampler, state.noise, state.params
-        # The divisor, decided once by `divisor_for`: q N, or the plan's public expected batch with DP
-        # contribution statistics (no fallback to the pool's exact size here).
-        self.expected = float(divisor)
-        self.autocast = autocast_context(ctx.device, ctx.settings.precision)
-
-    def sample(self) -> StepSelection:
-        """Poisson-sample units; their rows (ULS with uls_examples_per_user: a random k per user)."""
-        sampled = self.sampler.sample()
-        if self.mech.unit_name == "examples":
-            return select_els(self.pool, sampled)
-        return select_uls(self.pool, sampled, self.settings.uls_examples_per_user, self.sampler.subset_keys)
-
-    def clipped_sum(self, sel: StepSelection) -> StepSums:
-        """p.grad = sum of the clipped per-unit gradients of this rank's share of the micro-batches."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
-        sums = StepSums()
-        s, device = self.settings, self.ctx.device
-        micro_batches = pack_micro_batches(self.pool, sel, s.physical_batch_size, s.sequence_length, self.ctx.pad_id)
-        # With several processes every rank packed the same micro-batches; it processes its share.
-        for mb in distributed.my_share(micro_batches, self.dist):
-            with self.autocast:
-                sums.add(self.grads.accumulate(mb.input_ids.to(device), mb.attention_mask.to(device),
-                                               mb.unit_ids.to(device), mb.row_weights.to(device),
-                                               None if mb.loss_mask is None else mb.loss_mask.to(device)))
-        return sums
-
-    def privatize(self, sums: StepSums) -> StepSums:
-        """Noise once (rank 0), sum over ranks, divide by the expected size q N; the step's total sums."""
-        self.hook.before_noise(self.params, self.dist)
-        if self.ctx.main:
-            # Noise once per step: with several processes rank 0 adds it to its partial sum
-            # and the all-reduce below hands every rank the same noisy total.
-            self.noise.add_(self.params, record=self.hook.noise_record())
-        if self.dist is not None and self.dist.active:
-            distributed.all_reduce_grads(self.params, self.dist)
-        sums = sums.summed_over_ranks(self.dist, self.ctx.device)
-        for p in self.params:
-            p.grad.div_(self.expected)
-        return sums
-
-    def __call__(self) -> tuple[StepSelection, StepSums]:
-        sel = self.sample()
-        return sel, self.privatize(self.clipped_sum(sel))
-
-    def update_norms(self) -> tuple[float, float]:
-        """(||u||, its noise-corrected estimate) of the privatised update u in p.grad (step_log.signal_norm).
-
-        Post-processing of the step's DP release (u and the public constants sigma C, q N, d): inside the
-        guarantee. Every rank holds the same u after `privatize`.
-        """
-        sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2) for p in self.params)
-        d = sum(p.numel() for p in self.params)
-        return math.sqrt(sq), step_log.signal_norm(sq, d, self.noise.std, self.expected)
-
-
-class RunState:
-    """Everything a run carries from step to step; `state_dict` is what its checkpoint holds."""
-
-    def __init__(self, model: torch.nn.Module, mech: RunMechanism, pool: TrainingPool, settings: TrainSettings,
-                 seeds: dict[str, Any], device: torch.device, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: Any = None, divisor: float = 1.0):
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        # Per-unit keyed draws: removing a user changes no other unit's draws (sampling.py)
-        self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
-        self.noise = GaussianNoise(mech.sigma, mech.clip_norm, seeds["noise"], device)
-        if optimizer is None:  # the pipeline's: training.optimizer, training.schedule
-            self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate)
-            self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
-        else:  # the caller's own (userdp.make_private): its scheduler, if any, is stepped with it
-            self.optimizer, self.scheduler = optimizer, scheduler
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Trainer's AcceleratedOptimizer wraps it
-        if isinstance(inner, AdamBC):  # its noise: the per-coordinate std in the privatised update, sigma C / (q N)
-            inner.bind_noise(self.noise.std / divisor)
-        self.private = mech.clip_norm is not None
-        self.step, self.examples_processed, self.users_processed = 0, 0, 0
-        self.rows: list[dict[str, Any]] = []
-        self.resumed_at: list[int] = []
-
-    def _model_state(self) -> dict[str, torch.Tensor]:
-        """The model's state in the checkpoint: all of it, or only the trainable tensors when part of the model
-        is frozen (LoRA: the adapters, not a copy of the base at every checkpoint)."""
-        if all(p.requires_grad for p in self.model.parameters()):
-            return self.model.state_dict()
-        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-
-    def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        if set(state) == trainable and len(trainable) < len(list(self.model.parameters())):
-            result = self.model.load_state_dict(state, strict=False)
-            if result.unexpected_keys:  # pragma: no cover - the key sets were compared above
-                raise ValueError(f"checkpoint has unknown model tensors {result.unexpected_keys[:5]}")
-            return
-        self.model.load_state_dict(state)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step, "model": self._model_state(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "noise": self.noise.state_dict(), "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "examples_processed": self.examples_processed, "users_processed": self.users_processed,
-            "log": self.rows, "resumed_at": self.resumed_at,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a saved run (its resumption step is added to resumed_at)."""
-        self._load_model_state(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.noise.load_state_dict(state["noise"])
-        torch.set_rng_state(state["torch_rng"])
-        if state.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])  # dropout of loaded models on CUDA
-        self.step = int(state["step"])
-        self.examples_processed = int(state["examples_processed"])
-        self.users_processed = int(state["users_processed"])
-        self.rows = list(state["log"])
-        self.resumed_at = list(state["resumed_at"]) + [self.step]
-
-    def update(self) -> float:
-        """Optimizer and LR-schedule step on the privatised p.grad; the learning rate it used."""
-        lr = self.learning_rate()
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        return lr
-
-    def learning_rate(self) -> float:
-        """The learning rate the next optimizer step uses (of the first parameter group)."""
-        if self.scheduler is not None:
-            return float(self.scheduler.get_last_lr()[0])
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def record(self, sel: StepSelection, sums: StepSums, lr: float, seconds: float,
-               update_norms: tuple[float, float] = (math.nan, math.nan)) -> dict[str, Any]:
-        """Count the finished step and append its log row (LOG_COLUMNS; plain Python values, as the checkpoint
-        is loaded with weights_only). Every column is kept in memory and in the checkpoint; which of them are
-        written out is step_log.released_columns."""
-        self.step += 1
-        self.examples_processed += int(sel.n_examples)
-        self.users_processed += int(sel.n_users)
-        row = {
-            "step": self.step,
-            "learning_rate": float(lr),
-            "update_norm": float(update_norms[0]),
-            "update_signal_norm": float(update_norms[1]),
-            "loss": float(sums.loss_sum / sums.n_rows) if sums.n_rows else math.nan,
-            "realised_examples": int(sel.n_examples),
-            "realised_users": int(sel.n_users),
-            "realised_units": int(sel.n_units),
-            "examples_processed": self.examples_processed,
-            "clipped_fraction": float(sums.clipped / sums.n_units) if sums.n_units and self.private else math.nan,
-            "mean_unit_norm": float(sums.norm_sum / sums.norm_n) if sums.norm_n else math.nan,
-            "nonfinite_units": int(sums.nonfinite_units),
-            "seconds": float(seconds),
-        }
-        self.rows.append(row)
-        return row
-
-    def frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows, columns=LOG_COLUMNS)
-
-
-class _Progress:
-    """Logs step and ETA every `every_s` seconds (and at the last step); the batch loss and throughput only with
-    training.debug_step_log (noise-free functions of the sampled users, outside the guarantee: step_log)."""
-
-    def __init__(self, total_steps: int, every_s: float, debug: bool = False):
-        self.total, self.every_s, self.debug = total_steps, every_s, debug
-        self.start = time.monotonic()
-        self.last = self.start - every_s
-
-    def __call__(self, run: RunState, done_now: int) -> None:
-        now = time.monotonic()
-        if now - self.last < self.every_s and run.step != self.total:
-            return
-        self.last = now
-        elapsed = now - self.start
-        eta = (self.total - run.step) * elapsed / done_now
-        if not self.debug:
-            log.info("step %d/%d ETA %.0fs", run.step, self.total, eta)
-            return
-        ex_rate = sum(r["realised_examples"] for r in run.rows[-done_now:]) / max(elapsed, 1e-9)
-        log.info("step %d/%d loss %.4f examples/s %.1f ETA %.0fs [%s: outside the guarantee]", run.step,
-                 self.total, run.rows[-1]["loss"], ex_rate, eta, step_log.KEY)
 
 
 class StopOnSigterm:
@@ -594,30 +113,6 @@ class StopOnSigterm:
     def __exit__(self, *exc: object) -> None:
         if self.enabled:
             signal.signal(signal.SIGTERM, self._previous)
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What every phase of one run reads: its spec and mechanism, its data, settings, files and placement."""
-
-    spec: RunSpec
-    mech: RunMechanism
-    pool: TrainingPool
-    settings: TrainSettings
-    paths: RunPaths | None  # None: a `setup` run that writes nowhere (yet)
-    pad_id: int
-    device: torch.device
-    dist: distributed.DistContext | None
-
-    @property
-    def main(self) -> bool:
-        """Whether this process writes files and adds the noise (rank 0, or the only process)."""
-        return self.dist is None or self.dist.is_main
-
-    def withheld(self, value: Any) -> Any:
-        """`value`, or None when the plan's sizes come from the DP contribution statistics: sizes of the pool and
-        the realised compute are then statistics of the counts (with q and T they would give back N_G)."""
-        return None if self.spec.sizes_from_release else value
 
 
 @dataclass
@@ -736,7 +231,7 @@ def setup(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: T
     n_units = mech.n_units(pool)
     divisor = divisor_for(spec, mech, n_units, mech.rate * n_units)  # q N, the sampler's expected size
     state = RunState(model, mech, pool, settings, seeds, device, optimizer, scheduler, divisor)
-    grads = (gradient_source or _default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
+    grads = (gradient_source or default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
     return Run(ctx, state, DPStep(ctx, state, grads, divisor, hook), seeds)
 
 
@@ -803,7 +298,8 @@ def loop(run: Run, max_steps: int | None, on_step: Callable[[int, dict], None] |
     """
     ctx, state = run.ctx, run.state
     _log_start(run)
-    progress, done_now = _Progress(ctx.mech.steps, ctx.settings.log_every_s, ctx.settings.debug_step_log), 0
+    progress = Progress(log, ctx.mech.steps, "step", ctx.settings.log_every_s, start=state.step, first=True)
+    done_now = 0
     run.saved_at = state.step
     with StopOnSigterm(enabled=ctx.dist is None) as stop:
         while state.step < ctx.mech.steps and not stop.requested and (max_steps is None or done_now < max_steps):
@@ -813,8 +309,18 @@ def loop(run: Run, max_steps: int | None, on_step: Callable[[int, dict], None] |
                 _save_checkpoint(run)
                 run.saved_at = state.step
                 distributed.check_replicas(state.params, ctx.dist, ctx.device)
-            progress(state, done_now)
+            progress.update(1, _debug_progress(state, done_now, progress) if ctx.settings.debug_step_log else "")
     return stop.requested
+
+
+def _debug_progress(state: RunState, done_now: int, progress: Progress) -> Callable[[], str]:
+    """With training.debug_step_log: the batch loss and examples/s on the progress line (noise-free functions of
+    the sampled users, outside the guarantee: step_log)."""
+    def text() -> str:
+        seconds = max(time.monotonic() - progress.start, 1e-9)
+        ex_rate = sum(r["realised_examples"] for r in state.rows[-done_now:]) / seconds
+        return f"loss {state.rows[-1]['loss']:.4f} examples/s {ex_rate:.1f} [{step_log.KEY}: outside the guarantee]"
+    return text
 
 
 def interrupt(run: Run, sigterm: bool) -> TrainOutcome:

@@ -31,7 +31,7 @@ from ..layout import EVAL, RUN_MODEL
 from ..privacy import seed_secrecy
 from ..privacy.spec import RunSpec
 from ..seeding import derive_seed
-from . import distributed, engine, models, pool
+from . import distributed, engine, models, pool, run_seeds, run_state
 from .model_card import CARD
 from .settings import TrainSettings
 
@@ -118,10 +118,10 @@ def train_run(run: RunInputs, dist: distributed.DistContext | None = None) -> en
     model = load_base_model(run.model, run.tokenizer, lora, config["seed"],
                             config["tokenizer"]["sequence_length"])
     settings = TrainSettings.from_config(config, float(run.learning_rate))
-    seeds = engine.run_seeds(config["seed"], int(run.seed), run.dataset, run.method, run.eps, run.budget,
+    seeds = run_seeds.run_seeds(config["seed"], int(run.seed), run.dataset, run.method, run.eps, run.budget,
                              run.spec.group_size, float(run.learning_rate), secret=run.secret, trial=run.trial)
     pad_id = models.special_ids(run.tokenizer)["pad_token_id"]
-    return engine.train(model, run.pool, run.spec, settings, engine.RunPaths(run.run_dir, run.log), seeds, pad_id,
+    return engine.train(model, run.pool, run.spec, settings, run_state.RunPaths(run.run_dir, run.log), seeds, pad_id,
                         dist=dist)
 
 
@@ -171,7 +171,7 @@ def launch_sweep(jobs: list[FinetuneJob], processes: int) -> None:
     """Run the jobs of one cell (its learning rates) one after the other in this job (`launch` each).
 
     One process start-up (imports, the tokenizer's and transformers' code) serves every rate; each run still
-    loads its own inputs and seeds itself from its own learning rate (`engine.run_seeds`), so a run's model,
+    loads its own inputs and seeds itself from its own learning rate (`run_seeds.run_seeds`), so a run's model,
     ledger and log are those it would have as the only rate (tests/test_train_sweep.py). A run that finished
     before (its finished/ record) is restored instead of trained. The first failure stops the job, and so does
     a SIGTERM (SLURM's preemption and time-limit signal): a run in progress saves its checkpoint and exits 143

@@ -12,7 +12,7 @@ So a finished run also records `{run_dir}/finished/`: hard links (copies on
 file systems without links) to its released outputs (model folder, per-step
 log, ledger) and `manifest.json` with each file's size and SHA-256 and the
 run's key. The key is the checkpoint fingerprint (mechanism, result-changing
-settings, public seeds, base model and pool content; `engine.run_fingerprint`),
+settings, public seeds, base model and pool content; `run_state.run_fingerprint`),
 the plan without its wall time, debug_step_log and the adapter's settings
 (engine.train), plus the digest of the userdp code and the versions of
 PACKAGES. When the job runs again and the key and every file match, the

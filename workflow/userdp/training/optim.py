@@ -108,7 +108,7 @@ def _same_noise(a: float, b: float) -> bool:
 
 
 def _adam_bc(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return AdamBC(params, lr=lr)  # its noise is the run's: engine.RunState binds it (AdamBC.bind_noise)
+    return AdamBC(params, lr=lr)  # its noise is the run's: run_state.RunState binds it (AdamBC.bind_noise)
 
 
 def _sgd(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:

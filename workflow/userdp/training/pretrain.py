@@ -11,7 +11,6 @@ that model is loaded and saved as is (no pretraining).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from ..io import read_table
+from ..logutil import Progress
 from ..seeding import derive_seed
 from .models import build_model, load_model, load_tokenizer, save_model_atomic, special_ids
 
@@ -72,7 +72,7 @@ def pretrain(config: dict, tokenizer_dir: str | Path, public_tokens: str | Path 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
         pad = ids["pad_token_id"]
         model.train()
-        start = last = time.monotonic()
+        progress = Progress(log, steps, f"pretrain steps (batch {bs})")
         for step in range(1, steps + 1):
             batch = rng.integers(0, len(seqs), size=bs)
             inp = torch.full((bs, L), pad, dtype=torch.long)
@@ -89,12 +89,7 @@ def pretrain(config: dict, tokenizer_dir: str | Path, public_tokens: str | Path 
             opt.step()
             sched.step()
             losses.append(float(out.loss.detach()))
-            now = time.monotonic()
-            if now - last >= 10 or step == steps:
-                last = now
-                rate = step / (now - start)
-                log.info("pretrain step %d/%d loss %.4f (%.1f steps/s, %.0f examples/s, ETA %.0fs)",
-                         step, steps, float(np.mean(losses[-20:])), rate, rate * bs, (steps - step) / rate)
+            progress.update(1, lambda: f"loss {float(np.mean(losses[-20:])):.4f}")
     model.eval()
     save_model_atomic(model, out_dir)
     return {"model": mcfg["architecture"], "parameters": n_params, "steps": steps,

@@ -40,7 +40,7 @@ import torch
 
 from ..errors import ConfigError, PrivacyError
 from ..privacy.spec import RunSpec
-from . import engine
+from . import engine, run_state, step
 from .ledger import build_ledger, guarantee_epsilon
 from .pool import TrainingPool
 from .settings import TrainSettings
@@ -123,19 +123,19 @@ class PrivateTraining:
 
     Built by `userdp.make_private` (which plans the mechanism and bounds the data to G); at this level the
     inputs are the engine's: the bounded `pool`, a calibrated `spec`, `settings` (sequence length, physical
-    batch, device, precision), the run's `seeds` (engine.run_seeds; with secret=True the sampler and noise
+    batch, device, precision), the run's `seeds` (run_seeds.run_seeds; with secret=True the sampler and noise
     seeds are fresh OS entropy, never written) and the tokenizer's pad id. `observe` is the engine's
     observation hook (tests and audits); `gradient_source` and `compute_epsilon` as in engine.train.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pool: TrainingPool,
                  spec: RunSpec, settings: TrainSettings, seeds: dict[str, Any], pad_id: int, *,
-                 scheduler: Any = None, observe: Callable[[engine.StepObservation], None] | None = None,
+                 scheduler: Any = None, observe: Callable[[step.StepObservation], None] | None = None,
                  gradient_source: Any = None, compute_epsilon: Callable[..., float] | None = None,
                  dist: Any = None) -> None:
         check_optimizer(model, optimizer)
         check_no_gradients(model, "before make_private")
-        hook = engine.Observer(observe) if observe is not None else None
+        hook = step.Observer(observe) if observe is not None else None
         self._run = engine.setup(model, pool, RunSpec.from_record(spec), settings, None, seeds, pad_id, dist,
                                  gradient_source, hook, optimizer=optimizer, scheduler=scheduler)
         # As engine.train's start: torch's global RNG (dropout) from the run's torch seed, so a run of the same
@@ -250,7 +250,7 @@ class PrivateTraining:
         if out.exists() and not out.is_dir():
             raise ConfigError(f"output_dir {output_dir} is a file; give a folder (it is created if missing).")
         out.mkdir(parents=True, exist_ok=True)
-        engine.write_release(self._run, engine.RunPaths(out), self._compute_epsilon)
+        engine.write_release(self._run, run_state.RunPaths(out), self._compute_epsilon)
         self.spec.write(out / PLAN_FILE)
         return out
 

@@ -13,7 +13,7 @@ Everything derives from that list: rule finetune's `settings` param
 (targets.finetune_params; the keys a run reads that change no result it
 reads from the config, targets.finetune_untracked), the checkpoint fingerprint of a run
 (`TrainSettings.result_settings`, plus the seeds and digests of the base
-model and the pool in engine.run_fingerprint), and TrainSettings' fields.
+model and the pool in run_state.run_fingerprint), and TrainSettings' fields.
 
 Left out on purpose (changing them reruns nothing and resumes a checkpoint):
 threads, gpus (data-parallel ranks give the one-process result up to float

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any, Iterable, Mapping
 
-from .. import layout
+from .. import grid, layout
 from ..errors import ConfigError
-from ..layout import sorted_dict
+from ..io import sorted_dict
 from ..privacy import seed_secrecy
 from ..privacy.selection import one_job
 from .settings import EXECUTION_TRAINING_KEYS, RESULT_TRAINING_KEYS
@@ -97,18 +97,18 @@ def finetune_runtime(config: dict) -> int:
 
 
 def run_dirs(config: dict) -> list[str]:
-    """Every run folder: each grid cell (userdp.layout.iter_cells) x training.learning_rates.
+    """Every run folder: each grid cell (userdp.grid.iter_cells) x training.learning_rates.
 
     Under random stopping (privacy.selection) a private cell has no run folder per learning rate: one
     job trains its runs out of sight and releases the best into the cell folder (`released_models`).
     """
-    return [cell.lr_dir(lr) for cell in layout.iter_cells(config) if not one_job(config, cell.epsilon)
+    return [cell.lr_dir(lr) for cell in grid.iter_cells(config) if not one_job(config, cell.epsilon)
             for lr in config["training"]["learning_rates"]]
 
 
 def released_models(config: dict) -> list[str]:
     """The model files of the cells selected by random stopping (their RUN_MODEL in the cell folder)."""
-    return [path for cell in layout.iter_cells(config) if one_job(config, cell.epsilon)
+    return [path for cell in grid.iter_cells(config) if one_job(config, cell.epsilon)
             for path in run_model_files(f"{cell.run_dir}/{layout.RUN_MODEL}", config)]
 
 
