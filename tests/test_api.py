@@ -140,6 +140,12 @@ def test_the_planner_is_the_pipelines(workdir):
     assert spec.without_timing() == same.without_timing()
     assert spec.epsilon_achieved <= 4.0 and spec.delta == pytest.approx(1 / counts.size ** 1.1)
     assert userdp.epsilon(spec) == pytest.approx(spec.epsilon_achieved, rel=1e-9)
+    # the same accountant behind dp-accounting's interface (docs/api.md): one run's event, then a release more
+    import dp_accounting
+
+    acc = userdp.UserLevelAccountant().compose(spec.event)
+    assert acc.get_epsilon(spec.delta) == userdp.epsilon(spec, per_run=True)
+    assert acc.compose(dp_accounting.LaplaceDpEvent(20.0)).get_epsilon(spec.delta) > userdp.epsilon(spec, per_run=True)
 
 
 @pytest.mark.parametrize("change,error,match", [

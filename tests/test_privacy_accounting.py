@@ -282,3 +282,46 @@ def test_mog_inverse_computes_each_midpoint_once_with_the_same_numbers(shuffled)
         assert together.shape == grid.shape
         assert np.array_equal(together, alone)
         assert len(np.unique(together)) > 1000  # a real spread of inverses, not one clipped value
+
+
+# --- the accountant behind dp-accounting's PrivacyAccountant interface ------------------------------------------
+
+
+def test_user_level_accountant_is_a_dp_accounting_accountant_with_epsilons_bit_identical():
+    d = 1e-3
+    els, uls = mog_event(2.0, 0.05, 30, 4), poisson_event(1.5, 0.05, 40)
+    stats_release = dp_accounting.LaplaceDpEvent(5.0)
+    for event in (els, uls, dp_accounting.ComposedDpEvent([uls, stats_release])):
+        acc = A.UserLevelAccountant(discretization=d)
+        assert isinstance(acc, dp_accounting.PrivacyAccountant) and acc.supports(event)
+        acc.compose(event)
+        assert acc.get_epsilon(1e-5) == A.epsilon(event, 1e-5, discretization=d)
+    # composing twice is the 2-fold composition; the interface's count is a self-composition
+    two = A.UserLevelAccountant(discretization=d).compose(uls).compose(uls)
+    assert two.get_epsilon(1e-5) == A.UserLevelAccountant(discretization=d).compose(uls, 2).get_epsilon(1e-5) \
+        == A.epsilon(dp_accounting.SelfComposedDpEvent(uls, 2), 1e-5, discretization=d)
+    assert two.get_epsilon(1e-5) > A.epsilon(uls, 1e-5, discretization=d)
+    assert A.UserLevelAccountant().get_epsilon(1e-5) == 0.0  # nothing composed
+    # dp-accounting's own record of what was composed, re-accounted, gives the same epsilon
+    assert A.epsilon(two.ledger, 1e-5, discretization=d) == two.get_epsilon(1e-5)
+
+
+def test_user_level_accountant_delta_and_its_refusals():
+    d = 1e-3
+    event = poisson_event(1.5, 0.05, 40)
+    acc = A.UserLevelAccountant(discretization=d).compose(event)
+    eps = acc.get_epsilon(1e-5)
+    assert 0 < acc.get_delta(eps) <= 1e-5 * (1 + 1e-9)  # the delta at the epsilon reported for 1e-5
+    ref = pld_privacy_accountant.PLDAccountant(value_discretization_interval=d)
+    ref.compose(event)
+    assert acc.get_delta(2.0) == pytest.approx(ref.get_delta(2.0), rel=1e-3)
+    # a non-private part: epsilon inf, delta 1
+    leaky = A.UserLevelAccountant().compose(dp_accounting.NonPrivateDpEvent())
+    assert leaky.get_epsilon(1e-5) == math.inf and leaky.get_delta(10.0) == 1.0
+    # what it cannot account is refused as dp-accounting's accountants refuse it, naming the event
+    unsupported = dp_accounting.dp_event.ZCDpEvent(0.5)
+    assert not A.UserLevelAccountant().supports(dp_accounting.ComposedDpEvent([event, unsupported]))
+    with pytest.raises(dp_accounting.UnsupportedEventError, match="ZCDpEvent"):
+        A.UserLevelAccountant().compose(dp_accounting.SelfComposedDpEvent(unsupported, 3))
+    with pytest.raises(PrivacyError, match="delta is 0"):
+        acc.get_epsilon(0.0)

@@ -29,6 +29,7 @@ _EXPORTS = {
     "read_ledger": "userdp.api",
     "FineTuneResult": "userdp.api",
     "RunSpec": "userdp.privacy.spec",
+    "UserLevelAccountant": "userdp.privacy.accounting",
     "make_private": "userdp.private_training",
     "PrivateTraining": "userdp.training.private",
     "StepStats": "userdp.training.private",

@@ -609,11 +609,13 @@ def _step_key(event: dp_accounting.DpEvent) -> tuple | None:
 
 
 def _flatten(event: dp_accounting.DpEvent, count: int, steps: dict[tuple, int], fixed: list) -> bool:
-    """Collect noisy steps (key -> how many times) and fixed Laplace releases; False if anything is non-private."""
-    if isinstance(event, dp_accounting.NoOpDpEvent) or count == 0:
+    """Collect noisy steps (key -> how many times) and fixed Laplace releases of `count` times `event`; False if
+    any part of it happens and is non-private. Every part is checked, also at count 0 (PrivacyError for an event
+    the accountant does not support)."""
+    if isinstance(event, dp_accounting.NoOpDpEvent):
         return True
     if isinstance(event, dp_accounting.NonPrivateDpEvent):
-        return False
+        return count == 0
     if isinstance(event, dp_accounting.ComposedDpEvent):
         return all([_flatten(e, count, steps, fixed) for e in event.events])
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
@@ -623,8 +625,9 @@ def _flatten(event: dp_accounting.DpEvent, count: int, steps: dict[tuple, int], 
         return True
     key = _step_key(event)
     if key is None:
-        return False
-    steps[key] = steps.get(key, 0) + count
+        return count == 0
+    if count:
+        steps[key] = steps.get(key, 0) + count
     return True
 
 
@@ -634,13 +637,19 @@ def epsilon(event: dp_accounting.DpEvent, delta: float, discretization: float = 
     A non-private part (`NonPrivateDpEvent`, or a step without noise) gives
     inf; no steps give the fixed releases' epsilon (0 without any).
     """
-    if not (0 < delta < 1):
-        raise PrivacyError(f"delta is {delta}; it must be in (0, 1), e.g. 1e-6.")
     steps: dict[tuple, int] = {}
     fixed: list = []
-    if not _flatten(event, 1, steps, fixed):
+    private = _flatten(event, 1, steps, fixed)
+    return _parts_epsilon(steps, tuple(fixed), private, delta, discretization)
+
+
+def _parts_epsilon(steps: dict[tuple, int], extra: tuple, private: bool, delta: float, discretization: float
+                   ) -> float:
+    """epsilon(delta) of flattened parts (`_flatten`): inf when a part is non-private."""
+    if not (0 < delta < 1):
+        raise PrivacyError(f"delta is {delta}; it must be in (0, 1), e.g. 1e-6.")
+    if not private:
         return math.inf
-    extra = tuple(fixed)
     if not steps:
         return fixed_events_epsilon(extra, delta, discretization)
     # The same flattened computation recurs across plan, ledgers and selection: memo.py (on in the pipeline).
@@ -653,17 +662,70 @@ def epsilon(event: dp_accounting.DpEvent, delta: float, discretization: float = 
     return value
 
 
-def _steps_epsilon(steps: dict, extra: tuple, delta: float, discretization: float) -> float:
-    if extra:
-        _fixed_pld(extra, float(discretization))  # cached; refuses an oversized release before the steps are built
+def _steps_pld(steps: dict, discretization: float):
+    """The PLD of the noisy steps composed (each distinct step's T-fold composition, in the memo's key order)."""
     pld = None
-    for key, n in sorted(steps.items()):  # the memo's key order
+    for key, n in sorted(steps.items()):
         part = _composed_step_pld(key, int(n), float(discretization))
         if pld is not None:
             check_pld_size(pld_points(pld) + pld_points(part), "the composition of different step events",
                            discretization)
         pld = part if pld is None else pld.compose(part)
-    return _epsilon_of(pld, extra, delta, float(discretization))
+    return pld
+
+
+def _steps_epsilon(steps: dict, extra: tuple, delta: float, discretization: float) -> float:
+    if extra:
+        _fixed_pld(extra, float(discretization))  # cached; refuses an oversized release before the steps are built
+    return _epsilon_of(_steps_pld(steps, discretization), extra, delta, float(discretization))
+
+
+class UserLevelAccountant(dp_accounting.PrivacyAccountant):
+    """This module's accountant behind dp-accounting's `PrivacyAccountant` interface: `compose` events (as
+    `PLDAccountant` takes them), then `get_epsilon(delta)` (the number `epsilon` gives for the composed event,
+    bit for bit, memo included) or `get_delta(epsilon)`.
+
+    Supports what `epsilon` does: mixture-of-Gaussians (ELS) and (Poisson-subsampled) Gaussian (ULS) steps,
+    Laplace releases (the DP contribution statistics), their compositions and self-compositions, no-op and
+    non-private events (epsilon inf); add/remove-one-user adjacency, pessimistic PLD at `discretization`.
+    """
+
+    def __init__(self, discretization: float = FINE_DISCRETIZATION):
+        super().__init__(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        self.discretization = float(discretization)
+        self._steps: dict[tuple, int] = {}
+        self._fixed: list = []
+        self._private = True
+
+    def _maybe_compose(self, event: dp_accounting.DpEvent, count: int, do_compose: bool
+                       ) -> dp_accounting.PrivacyAccountant.CompositionErrorDetails | None:
+        steps: dict[tuple, int] = {}
+        fixed: list = []
+        try:
+            private = _flatten(event, count, steps, fixed)
+        except PrivacyError as exc:
+            return self.CompositionErrorDetails(invalid_event=event, error_message=str(exc))
+        if do_compose:
+            for key, n in steps.items():
+                self._steps[key] = self._steps.get(key, 0) + n
+            self._fixed.extend(fixed)
+            self._private = self._private and private
+        return None
+
+    def get_epsilon(self, target_delta: float) -> float:
+        return _parts_epsilon(dict(self._steps), tuple(self._fixed), self._private, target_delta,
+                              self.discretization)
+
+    def get_delta(self, target_epsilon: float) -> float:
+        """The smallest delta at which the composed events are (target_epsilon, delta)-DP (1 if non-private)."""
+        if not self._private:
+            return 1.0
+        extra = tuple(self._fixed)
+        pld = _steps_pld(self._steps, self.discretization) if self._steps else None
+        if extra:
+            fixed = _fixed_pld(extra, self.discretization)
+            pld = fixed if pld is None else pld.compose(fixed)
+        return 0.0 if pld is None else float(pld.get_delta_for_epsilon(float(target_epsilon)))
 
 
 # ---------------------------------------------------------------- fixed extra events
