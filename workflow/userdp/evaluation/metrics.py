@@ -247,7 +247,7 @@ def evaluate_models(
     splits: Sequence[str] = EVAL_SPLITS,
     users_out: Sequence[str | os.PathLike | None] | None = None,
 ) -> list[dict]:
-    """`evaluate_model` of each model in turn (one job of rule evaluate: a cell's learning rates).
+    """`evaluate_model` of each model in turn (a fine-tuning job's runs: its cell's learning rates).
 
     The evaluation users and their rows are read once and shared: every model
     sees exactly the sets `evaluate_model` would give it alone. `splits` are the held-out splits scored
@@ -289,24 +289,13 @@ def evaluate_models(
     return results
 
 
-def evaluate_runs(
-    runs: Sequence[tuple[float, str | os.PathLike]],
-    tokens_path: str | os.PathLike,
-    *,
-    dataset: str,
-    root_seed: int,
-    max_users: int | None,
-    batch_size: int,
-    device: str = "auto",
-    splits: Sequence[str] = EVAL_SPLITS,
-) -> None:
-    """Evaluate the fine-tuned model of each (learning rate, run folder) of a job (`evaluate_models`) and write
-    the folder's eval.json (the metrics, the model folder and the rate) and eval_users.parquet (each test user's
-    scores)."""
+def evaluate_runs(runs: Sequence[tuple[float, str | os.PathLike]], tokens_path: str | os.PathLike, **options) -> None:
+    """Evaluate the fine-tuned model of each (learning rate, run folder) of a fine-tuning job and write the
+    folder's eval.json (the metrics, the model folder and the rate) and eval_users.parquet (each test user's
+    scores). `options`: `evaluate_models`' keywords (dataset, root_seed, max_users, batch_size, device, splits)."""
     folders = [Path(run_dir) for _, run_dir in runs]
     models = [str(d / RUN_MODEL) for d in folders]
-    results = evaluate_models(models, tokens_path, dataset=dataset, root_seed=root_seed, max_users=max_users,
-                              batch_size=batch_size, device=device, local_model=True, splits=splits,
-                              users_out=[str(d / EVAL_USERS) for d in folders])
+    results = evaluate_models(models, tokens_path, local_model=True, users_out=[str(d / EVAL_USERS) for d in folders],
+                              **options)
     for (rate, _), folder, model, result in zip(runs, folders, models, results, strict=True):
         write_json(str(folder / EVAL), {**result, "model": model, "learning_rate": float(rate)})
