@@ -41,11 +41,12 @@ except ConfigError as exc:
 # are one chain that every fine-tuning job waits for, so it goes first; then the plans the fine-tuning jobs
 # need; the accounting comparison and the mean-estimation study (independent of the language model) fill a
 # core beside the fine-tuning jobs instead of waiting for the end, and so do the figures whose inputs are
-# ready early (the mean-estimation, noise and contribution figures); fine-tuning before evaluation keeps the
-# long jobs early and the short ones for the tail; a cell's learning-rate selection (a fraction of a second)
-# runs as soon as its evaluations are done, so the tail after the last evaluation is one cell's selection,
-# the summary and the figures that read it; the summary, the user-group analysis and the findings go before
-# those figures (two figures and the findings wait for them). Order only: no job's result depends on it.
+# ready early (the mean-estimation, noise and contribution figures); fine-tuning (each job evaluates its runs
+# too) before the pretrained model's evaluation keeps the long jobs early and the short ones for the tail; a
+# cell's learning-rate selection (a fraction of a second) runs as soon as its fine-tuning job is done, so the
+# tail after the last fine-tuning job is one cell's selection, the summary and the figures that read it; the
+# summary, the user-group analysis and the findings go before those figures (two figures and the findings wait
+# for them). Order only: no job's result depends on it.
 PRIORITY = dict(chain=100, plan=60, summary=58, side=55, finetune=50, select=45, evaluate=40)
 
 
