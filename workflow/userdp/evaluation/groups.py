@@ -89,11 +89,13 @@ class Settings:
 # ------------------------------------------------------------------ the per-user table
 def _user_frame(path: str | os.PathLike, what: str) -> pd.DataFrame:
     if not Path(path).exists():
-        raise DataError(f"{what} {path} does not exist; rerun the rule that writes it (evaluate, select_lr).")
+        raise DataError(f"{what} {path} does not exist; rerun the rule that writes it (select_lr for a "
+                        "cell's users.parquet, evaluate_pretrained for the pretrained model's).")
     df = read_frame(path)
     missing = [c for c in USER_SCORE_COLUMNS if c not in df.columns]
     if missing:
-        raise DataError(f"{path}: missing column(s) {missing}; rerun the evaluation (snakemake --forcerun evaluate).")
+        raise DataError(f"{path}: missing column(s) {missing}; rerun the evaluation (snakemake --forcerun "
+                        "finetune finetune_group evaluate_pretrained: finished runs are restored, not trained again).")
     return df[list(USER_SCORE_COLUMNS)]
 
 
@@ -152,7 +154,8 @@ def build_users(dataset: str, cell_files: Sequence[str], pretrained_file: str, l
         if sorted(df["user_id"]) != users:
             raise DataError(f"{path}: its test users differ from the pretrained model's ({pretrained_file}); the "
                             "evaluations used different user choices (evaluation.max_users or seed changed?). "
-                            "Rerun the evaluation: snakemake --forcerun evaluate evaluate_pretrained.")
+                            "Rerun the evaluation: snakemake --forcerun finetune finetune_group evaluate_pretrained "
+                            "(finished runs are restored, not trained again).")
         g = g_used.get(str(Path(path).parent), cell.group_size)  # G actually used (the summary's)
         frames.append(df.assign(model="fine-tuned", method=cell.method, epsilon=float(cell.epsilon),
                                 budget=int(cell.compute), seed=int(cell.seed),

@@ -156,8 +156,8 @@ def copy_user_scores(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     from ..io import write_parquet
 
     if not Path(src).exists():
-        raise DataError(f"{src} does not exist; the evaluate rule should have written it "
-                        "(rerun it: snakemake --forcerun evaluate).")
+        raise DataError(f"{src} does not exist; the run's fine-tuning job should have written it when it evaluated "
+                        "the run (rerun it: snakemake --forcerun finetune finetune_group).")
     write_parquet(dst, read_frame(src))
 
 
