@@ -1,12 +1,15 @@
-"""Benchmark: a cell's learning-rate sweep in one finetune job and one evaluate job, vs a job per run.
+"""Benchmark: a cell's learning-rate sweep in one process per stage, vs a process per run.
 
-Rules `finetune` and `evaluate` run every learning rate of a cell in one
-process (userdp.training.finetune_job.launch_sweep,
-userdp.evaluation.metrics.evaluate_models). Before, each rate was its own
-finetune job and its own evaluate job, and each job paid Python's, torch's and
-transformers' start-up and the input loading again. This script times both
-forms on the same cell, in the same run, as the jobs do it (a fresh Python
-process per job):
+Rule `finetune` trains every learning rate of a cell in one process
+(userdp.training.finetune_job.launch_sweep) and then evaluates every run in
+the same process (userdp.evaluation.metrics.evaluate_runs). Before
+training.sweep_jobs, each rate was its own training job and its own
+evaluation job, and each paid Python's, torch's and transformers' start-up and
+the input loading again. This script times the sweep both ways on the same
+cell, in the same run, keeping training and evaluation in separate processes
+in both forms (so it measures what the sweep in one process saves, not what
+evaluating in the training process saves on top: docs/performance.md, "Issue
+37"); a fresh Python process per step:
 
 * per run: for each rate, one process trains it and one evaluates it;
 * per cell: one process trains every rate, one evaluates every model.

@@ -237,7 +237,7 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     users the model was not trained on. tokenizer: default the model folder's, else a LoRA adapter's base model
     folder's; a fully fine-tuned run folder holds none, so pass the folder of the model it was tuned from.
     sequence_length: default the pipeline's 64 (texts are cut as `fine_tune` cuts them). batch_size: default
-    evaluation.batch_size. The metrics are the pipeline's rule evaluate's (userdp.evaluation.metrics), on every
+    evaluation.batch_size. The metrics are the pipeline's (userdp.evaluation.metrics), on every
     row given. messages_column / prompt_column + completion_column: chat or instruction rows instead of text
     (as `fine_tune`'s); the metrics are then over the answer tokens alone.
     """

@@ -143,8 +143,8 @@ def run_cell(job: RandomStoppingJob, *, out_metrics: str, out_ledger: str, out_t
              out_users: str | None = None) -> dict[str, Any]:
     """Draw (or resume) the runs, train and score them, release the best; returns the cell's metrics.
 
-    train(job, trial, learning_rate, run_dir) and evaluate(job, model_dir) are the finetune job and the
-    evaluation of rule evaluate (tests inject stand-ins).
+    train(job, trial, learning_rate, run_dir) and evaluate(job, model_dir) are a fine-tuning run and its
+    evaluation as rule finetune runs them (tests inject stand-ins).
     """
     from ..training.run_state import RunPaths
 

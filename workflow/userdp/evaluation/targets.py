@@ -15,8 +15,8 @@ from ..training.targets import learning_rate_texts
 
 #: The config keys an evaluation reads that change no metric beyond float rounding (right padding plus masking
 #: makes the loss independent of how sequences are batched; evaluation draws no random numbers on the device):
-#: rules evaluate's, evaluate_pretrained's and audit_score's scripts read them from the config (userdp.untracked),
-#: not as params, so changing them reruns nothing (tests/test_rerun_triggers.py, tests/test_eval_metrics.py).
+#: the scripts of rules finetune, evaluate_pretrained and audit_score read them from the config
+#: (userdp.untracked), not as params, so changing them reruns nothing (tests/test_rerun_triggers.py, tests/test_eval_metrics.py).
 EVALUATE_UNTRACKED_KEYS = ("evaluation.batch_size", "training.device")
 
 #: The held-out splits an evaluation can score (training users are never evaluated).
@@ -28,7 +28,7 @@ USER_SCORE_COLUMNS = ("user_id", "nll", "n_tokens", "n_examples", "loss")
 
 
 def evaluated_splits(config: Mapping, *, selects: bool) -> list[str]:
-    """The splits an evaluate job scores (its `splits` param, so changing the choice reruns it).
+    """The splits an evaluation scores (in its rule's params, so changing the choice reruns it).
 
     Test users always (every figure and finding reads test metrics); validation users only where a choice
     reads them, a cell choosing among several learning rates (`selects`), unless evaluation.validation is

@@ -1,6 +1,6 @@
 """The state of one training run, step to step: where it writes (`RunPaths`), its mechanism checked against the
-pool (`RunMechanism`), everything its checkpoint holds (`RunState`), and what a checkpoint must match to be
-resumed (`run_fingerprint`)."""
+pool (`RunMechanism`), what a step sums (`StepSums`, which the state's log records), everything its
+checkpoint holds (`RunState`), and what a checkpoint must match to be resumed (`run_fingerprint`)."""
 
 from __future__ import annotations
 
