@@ -635,7 +635,9 @@ def plan_job(private_stats: bool = False) -> Callable[[Path], Outcome]:
     def make(folder: Path, cfg: dict) -> dict:
         from userdp.privacy import targets
 
-        return {"input": targets.plan_inputs(cfg, "mine"), "output": {"plan": PLAN},
+        inputs = {"users": "results/data/mine/users.parquet", "contributions": "results/data/mine/contributions.json",
+                  **({"contributions_dp": "results/data/mine/contributions_dp.json"} if private_stats else {})}
+        return {"input": inputs, "output": {"plan": PLAN},
                 "params": {"privacy": targets.plan_privacy_params(cfg, "els", "8"), "steps": 10,
                            "reference_epsilon": targets.reference_epsilon_param(cfg, "els", "8"),
                            "selection": targets.selection_param(cfg), "group_size": None},

@@ -200,7 +200,6 @@ def aggregate_cells(tmp_path):
 
     from eval_builders import plan_record
     from userdp.config import validate_config
-    from userdp.evaluation.targets import summary_inputs
     from userdp.io import write_json
     from userdp.grid import iter_cells
 
@@ -221,7 +220,11 @@ def aggregate_cells(tmp_path):
         write_json(run / "metrics.json", {"test_loss": 3.0 + i, "validation_loss": 3.1 + i, "learning_rate": 0.01,
                                           "learning_rate_sweep": [{"learning_rate": 0.01, "validation_loss": 3.1}]})
         pd.DataFrame({"step": range(1, 6), "loss": [5, 4, 3, 2, 1.0]}).to_parquet(run / "train_log.parquet")
-    inputs = {k: [str(tmp_path / p) for p in paths] for k, paths in summary_inputs(config, "toy").items()}
+    # rule aggregate's inputs: each cell's plan, metrics, ledger and train log, in grid order
+    inputs = {"plans": [str(tmp_path / c.plan_path) for c in cells],
+              **{k: [str(tmp_path / c.run_dir / name) for c in cells]
+                 for k, name in (("metrics", "metrics.json"), ("ledgers", "ledger.json"),
+                                 ("train_logs", "train_log.parquet"))}}
     return types.SimpleNamespace(root=tmp_path, config=config, cells=cells, inputs=inputs)
 
 
@@ -288,8 +291,7 @@ def train_stage(tmp_path):
     (root / "Snakefile").write_text(
         f'include: "{repo}/workflow/rules/common.smk"\n'
         f'include: "{repo}/workflow/rules/train.smk"\n\n'
-        "from userdp.training.targets import train_targets\n\n\n"
-        "rule all:\n    input:\n        train_targets(config),\n    default_target: True\n"
+        "rule all:\n    input:\n        train_targets(),\n    default_target: True\n"
     )
 
     def snakemake(*args: str) -> subprocess.CompletedProcess:

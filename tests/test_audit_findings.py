@@ -8,6 +8,7 @@ import pytest
 
 from userdp.evaluation import audit_stats, findings, findings_job
 from userdp.io import write_json, write_parquet
+from userdp.layout import fmt_num
 
 
 def _cell(rng, included, separation: float, method: str, eps, dataset="d") -> tuple[dict, pd.DataFrame]:
@@ -87,14 +88,15 @@ def test_findings_job_reads_the_audit_only_when_asked(tmp_path):
     assert table["findings"][-1]["claim_id"] == 9 and table["counts"][findings.REPRODUCED] >= 1
 
 
-def test_findings_inputs_follow_findings_audit():
+def test_findings_params_follow_findings_audit():
+    """The audited cells in the params, in the order of grid.audit_cells (rule findings lists their files in the
+    same order: tests/test_rules.py)."""
     from userdp.config import validate_config
+    from userdp.grid import audit_cells
 
     base = {"datasets": {"d": {"source": "synthetic"}}, "grid": {"datasets": ["d"]}}
-    cfg = validate_config({**base})
-    assert "audit_results" not in findings_job.inputs(cfg) and findings_job.params(cfg)["audit_cells"] == []
+    assert findings_job.params(validate_config({**base}))["audit_cells"] == []
     cfg = validate_config({**base, "findings": {"audit": True}})
-    ins = findings_job.inputs(cfg)
     cells = findings_job.params(cfg)["audit_cells"]
-    assert len(ins["audit_results"]) == len(ins["audit_scores"]) == len(cells) == 4  # els, uls x (8, inf)
-    assert all(p.startswith("results/audit/d/scores/") for p in ins["audit_results"] + ins["audit_scores"])
+    assert cells == [[c.dataset, c.method, fmt_num(c.epsilon)] for c in audit_cells(cfg)]
+    assert len(cells) == 4  # els, uls x (8, inf)

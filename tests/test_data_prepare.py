@@ -281,12 +281,9 @@ def test_contributions_figure(tmp_path):
 def test_rule_wildcard_regexes():
     import re
 
-    from userdp.data.targets import names_regex, public_datasets, public_parquet_targets
+    from userdp.layout import names_regex
 
     rx = names_regex(["synth", "so-2"])
     assert re.fullmatch(rx, "synth") and re.fullmatch(rx, "so-2")
     assert not re.fullmatch(rx, "synth2") and not re.fullmatch(rx, "so")
     assert not re.fullmatch(names_regex([]), "") and not re.fullmatch(names_regex([]), "x")
-    config = {"datasets": {"a": {"source": "synthetic"}, "b": {"source": "local"}, "c": {"source": "fortunes"}}}
-    assert public_datasets(config) == ["a", "c"]
-    assert public_parquet_targets(config) == ["results/data/a/public.parquet", "results/data/c/public.parquet"]

@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from userdp.data.prepare import EXAMPLES_SCHEMA
-from userdp.data.targets import tokenizer_inputs
 from userdp.data.tokenize import (
     encode,
     frame,
@@ -66,15 +65,14 @@ def test_tokenizer_is_trained_on_public_text_only(tok_dir):
     # Public words became single tokens; a private-only word did not get merges.
     assert len(tok.tokenize(" cat")) == 1
     assert len(tok.tokenize(" " + SECRET)) >= len(SECRET) - 1
-    # The rule's only input is the public corpus of the public dataset.
+    # The public dataset is the first with a public part (the rule's only input is its public corpus:
+    # tests/test_rules.py); naming one without refuses.
     config = {"tokenizer": {"name": None, "public_dataset": None},
               "datasets": {"so": {"source": "stackoverflow"}, "synth": {"source": "synthetic"}}}
-    assert tokenizer_inputs(config) == {"public": "results/data/synth/public.parquet"}
-    assert tokenizer_inputs({**config, "tokenizer": {"name": "gpt2", "public_dataset": None}}) == {}
+    assert public_dataset_name(config) == "synth"
     with pytest.raises(ConfigError, match="no public part"):
         public_dataset_name({**config, "tokenizer": {"name": None, "public_dataset": "so"}})
-    with pytest.raises(ConfigError, match="no dataset has a public part"):
-        tokenizer_inputs({"tokenizer": {"name": None, "public_dataset": None}, "datasets": {"so": {"source": "stackoverflow"}}})
+    assert public_dataset_name({**config, "datasets": {"so": {"source": "stackoverflow"}}}) is None
 
 
 def test_tokenizer_folder_loads_with_transformers(tok_dir):

@@ -206,14 +206,17 @@ def test_findings_job_writes_json_and_csv(tmp_path, monkeypatch):
                  "seeds": [0, 1, 2], "group_size_sweep": [1, 8, 32]},
         "findings": {"name": "mystudy"},
     })
-    inputs = findings_job.inputs(config)
+    # rule findings' inputs (grid datasets in order; tests/test_rules.py reads them off the DAG)
+    inputs = {"summaries": [f"results/summary/{d}/metrics.parquet" for d in ("homog", "diverse")],
+              "pretrained": [f"results/runs/{d}/pretrained/metrics.json" for d in ("homog", "diverse")],
+              "comparison": "results/accounting/comparison.parquet",
+              "mean_estimation": "results/mean_estimation/results.parquet"}
     for d, path, pre in zip(("homog", "diverse"), inputs["summaries"], inputs["pretrained"]):
         write_parquet(path, lm_summary(study_loss(d == "diverse"), sweep=(1, 8, 32)))
         write_json(pre, {"test_loss": 3.5})
     write_parquet(inputs["comparison"], comparison({(1.0, 4): 1.05}))
     write_parquet(inputs["mean_estimation"], me_results())
-    out_json, out_csv = findings_job.targets(config)
-    assert out_json == "results/findings/mystudy.json"
+    out_json, out_csv = "results/findings/mystudy.json", "results/findings/mystudy.csv"
     result = findings_job.run(findings_job.params(config), inputs["summaries"], inputs["pretrained"],
                               inputs["comparison"], inputs["mean_estimation"], out_json, out_csv)
     stored = json.loads((tmp_path / out_json).read_text())

@@ -94,7 +94,8 @@ def _targets_of(root: Path):
 def _excluded(root: Path) -> list[Path]:
     d = {"dataset": "tiny"}
     private_data = [layout.EXAMPLES, layout.USERS, layout.TOKENS]
-    public_only = [layout.PUBLIC, layout.PUBLIC_TOKENS, layout.TOKENIZER, layout.TOKENIZER_INFO]
+    public_only = [layout.PUBLIC, "results/data/{dataset}/public_tokens.parquet", layout.TOKENIZER,
+                   "results/tokenizer/tokenizer_info.json"]
     # the jobs' benchmark files: wall times and memory, whose digits could match a statistic by chance
     return [root / p.format(**d) for p in private_data + public_only] + [root / layout.BENCHMARKS]
 

@@ -36,9 +36,8 @@ def _job(lines, stamp, rule, jobid, bench=None):
 
 
 def _write_run(tmp_path: Path, elapsed: str = "0:05:10.5") -> Path:
-    bench = {1: layout.benchmark_of(layout.LOG_PRETRAIN),
-             2: layout.benchmark_of(layout.LOG_TOKENIZER),
-             3: layout.benchmark_of(layout.LOG_AGGREGATE.format(dataset="a"))}
+    bench = {1: "results/benchmarks/pretrain.tsv", 2: "results/benchmarks/data/tokenizer.tsv",
+             3: "results/benchmarks/aggregate/a.tsv"}
     lines: list[str] = []
     _job(lines, "Fri Dec  4 14:30:00 2026", "pretrain", 1, bench[1])
     _job(lines, "Fri Dec  4 14:30:01 2026", "train_tokenizer", 2, bench[2])
@@ -73,7 +72,7 @@ def test_per_rule_sums_from_benchmarks_and_log_times(profile, tmp_path):
 
 def test_a_benchmark_file_rewritten_by_a_later_run_is_not_read(profile, tmp_path, capsys):
     log = _write_run(tmp_path)
-    later = tmp_path / layout.benchmark_of(layout.LOG_PRETRAIN)
+    later = tmp_path / "results/benchmarks/pretrain.tsv"
     os.utime(later, (later.stat().st_mtime + 3600, later.stat().st_mtime + 3600))  # another run's pretrain
     rows = profile.per_rule(profile.read_run(log, tmp_path))
     assert rows["pretrain"] == {"jobs": 1, "wall": 30.0, "cpu": 0.0}  # the log's start and finish
@@ -100,8 +99,9 @@ def test_main_finds_the_newest_log_under_the_root(profile, tmp_path, capsys, mon
 
 
 def test_benchmark_paths_mirror_the_logs():
-    assert layout.benchmark_of(layout.LOG_PRETRAIN) == "results/benchmarks/pretrain.tsv"
-    assert layout.benchmark_of(layout.LOG_FINETUNE).startswith("results/benchmarks/finetune/{dataset}/")
+    assert layout.benchmark_of("results/logs/pretrain.log") == "results/benchmarks/pretrain.tsv"
+    assert layout.benchmark_of("results/logs/finetune/{dataset}/{cell}.log") == \
+        "results/benchmarks/finetune/{dataset}/{cell}.tsv"
     with pytest.raises(ValueError, match="not a log template"):
         layout.benchmark_of("results/other/x.log")
 

@@ -23,7 +23,7 @@ from userdp.layout import PRETRAINED, fmt_num
 from userdp.grid import iter_cells
 from userdp.training import engine, finetune_job
 from userdp.training.models import build_model, load_tokenizer, special_ids, save_model_atomic
-from userdp.training.targets import lr_dirs, rates_per_job, sweep_outputs, sweep_runs
+from userdp.training.targets import rates_per_job, sweep_runs
 
 RATES = (0.001, 0.01)
 
@@ -85,23 +85,17 @@ def test_a_run_trained_after_another_rate_in_one_job_equals_the_run_alone(train_
         assert [(d / "model/model.safetensors").read_bytes() for d in swept] == before
 
 
-def test_the_outputs_of_one_finetune_job_are_every_rates_run_folder_or_one_per_run():
-    template = "results/runs/{dataset}/method~{method}/seed~{seed}/lr~{lr}"
+def test_a_job_finds_its_runs_in_its_outputs_every_rate_or_one():
+    """The rule's outputs per job (every rate's run folder, or one per run: tests/test_rules.py) give the job its
+    runs, in order, each with its rate."""
     rates = [0.001, 3e-4]
-    cfg = {"training": {"learning_rates": rates}, "model": {"lora": None}}
-    dirs = lr_dirs(template, cfg)
-    assert dirs == [f"results/runs/{{dataset}}/method~{{method}}/seed~{{seed}}/lr~{fmt_num(lr)}" for lr in rates]
-    outputs = sweep_outputs(template, cfg)
-    assert len(outputs) == 12  # ledger, log, weights, config, eval.json, eval_users.parquet per rate
-    assert [o.rsplit("/", 1)[1] for o in outputs[:6]] == ["ledger.json", "train_log.parquet", "model.safetensors",
-                                                          "config.json", "eval.json", "eval_users.parquet"]
+    dirs = [f"results/runs/d/method~els/seed~0/lr~{fmt_num(lr)}" for lr in rates]
+    outputs = [f"{d}/{name}" for d in dirs for name in ("ledger.json", "train_log.parquet", "model/config.json",
+                                                          "model/model.safetensors", "eval.json", "eval_users.parquet")]
     assert sweep_runs(outputs, "ledger.json", rates) == list(zip(rates, dirs))
-    assert rates_per_job(cfg) == 2
-
-    per_run = {"training": {"learning_rates": rates, "sweep_jobs": "per_run"}, "model": {"lora": None}}
-    assert lr_dirs(template, per_run) == [template] and rates_per_job(per_run) == 1
-    one = [o.format(dataset="d", method="els", seed=0, lr="0.0003") for o in sweep_outputs(template, per_run)]
-    assert sweep_runs(one, "ledger.json", rates) == [(3e-4, "results/runs/d/method~els/seed~0/lr~0.0003")]
+    assert sweep_runs(outputs[6:], "ledger.json", rates) == [(3e-4, dirs[1])]
+    assert rates_per_job({"training": {"learning_rates": rates}}) == 2
+    assert rates_per_job({"training": {"learning_rates": rates, "sweep_jobs": "per_run"}}) == 1
     with pytest.raises(ValueError, match="lr~0.5"):
         sweep_runs(["results/runs/d/x/lr~0.5/eval.json"], "eval.json", rates)
 

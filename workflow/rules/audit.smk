@@ -1,6 +1,6 @@
 # The user-level membership audit (target `audit`; docs/audits.md, "Auditing
 # the released model"). Canary users, each included with probability 1/2,
-# are added to a dataset's train users; each audited cell (userdp.layout.
+# are added to a dataset's train users; each audited cell (userdp.grid.
 # audit_cells: audit.methods x audit.epsilons + the non-private reference, at
 # audit.budget) is planned by the planner and trained by rule finetune's
 # script and params, exactly like a grid cell; every canary is scored by the
@@ -8,25 +8,21 @@
 # model; and the summary sets the empirical epsilon lower bound next to the
 # claimed one. Not part of rule all: run `snakemake --cores 2 audit`.
 import userdp.evaluation.audit_targets as audit_lib
-from userdp import grid, layout
 from userdp.plotting.registry import figure_targets
-from userdp.training.targets import base_model, run_outputs
-
-_AUDIT_BUDGET, _AUDIT_STEPS = grid.audit_budget(config)
 
 
 rule audit_canaries:
     input:
-        unpack(lambda wildcards: audit_lib.canary_inputs(config, wildcards.dataset)),
+        unpack(audit_canary_inputs),
     output:
-        canaries=layout.AUDIT_CANARIES,
-        tokens=layout.AUDIT_TOKENS,
+        canaries="results/audit/{dataset}/canaries.parquet",
+        tokens="results/audit/{dataset}/tokens.parquet",
     params:
         canaries=audit_lib.canary_params(config),
     log:
-        layout.LOG_AUDIT_CANARIES,
+        "results/logs/audit/{dataset}/canaries.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_AUDIT_CANARIES),
+        "results/benchmarks/audit/{dataset}/canaries.tsv"
     threads: 1
     resources:
         mem_mb=config["resources"]["data_mem_mb"],
@@ -41,19 +37,21 @@ rule audit_canaries:
 # training table (the dataset's train users plus the included canaries).
 rule audit_plan:
     input:
-        unpack(lambda wildcards: audit_lib.plan_inputs(config, wildcards.dataset)),
+        tokens="results/audit/{dataset}/tokens.parquet",
+        contributions="results/data/{dataset}/contributions.json",
+        **DP_STATS_INPUT,
     output:
-        layout.AUDIT_PLAN,
+        "results/audit/{dataset}/plan/method~{method}/eps~{eps}/budget~{budget}.json",
     wildcard_constraints:
-        budget=str(_AUDIT_BUDGET),
+        budget=str(AUDIT_BUDGET),
     params:
         privacy=lambda wildcards: audit_lib.plan_privacy(config, wildcards.method, wildcards.eps),
-        steps=_AUDIT_STEPS,
+        steps=AUDIT_STEPS,
         reference_epsilon=lambda wildcards: audit_lib.reference_epsilon(config, wildcards.method, wildcards.eps),
     log:
-        layout.LOG_AUDIT_PLAN,
+        "results/logs/audit/{dataset}/plan/method~{method}/eps~{eps}/budget~{budget}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_AUDIT_PLAN),
+        "results/benchmarks/audit/{dataset}/plan/method~{method}/eps~{eps}/budget~{budget}.tsv"
     threads: 1
     resources:
         mem_mb=1000,
@@ -67,33 +65,45 @@ rule audit_plan:
 # Rule finetune's script, params and resources, on the audit's plan and table.
 use rule finetune as audit_finetune with:
     input:
-        unpack(lambda wildcards: audit_lib.finetune_inputs(config, wildcards)),
+        plan="results/audit/{dataset}/plan/method~{method}/eps~{eps}/budget~{budget}.json",
+        tokens="results/audit/{dataset}/tokens.parquet",
+        tokenizer="results/tokenizer/tokenizer.json",
+        **PRETRAINED_INPUTS,
     output:
-        **run_outputs(layout.AUDIT_RUN_DIR, config),
+        ledger="results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}/ledger.json",
+        train_log="results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}/train_log.parquet",
+        model_config=model_files("results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}/model")[0],
+        model=model_files("results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}/model")[1],
     wildcard_constraints:
-        budget=str(_AUDIT_BUDGET),
+        budget=str(AUDIT_BUDGET),
     log:
-        layout.LOG_AUDIT_FINETUNE,
+        "results/logs/audit/{dataset}/finetune/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_AUDIT_FINETUNE),
+        "results/benchmarks/audit/{dataset}/finetune/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.tsv"
 
 
 rule audit_score:
     input:
-        unpack(lambda wildcards: audit_lib.score_inputs(config, wildcards)),
+        # the audited model (at the audit's one learning rate), its ledger, the canaries, the reference model
+        model=model_files(
+            f"results/audit/{{dataset}}/runs/method~{{method}}/eps~{{eps}}/budget~{{budget}}/seed~{{seed}}/lr~{AUDIT_LR}/model"
+        ),
+        ledger=f"results/audit/{{dataset}}/runs/method~{{method}}/eps~{{eps}}/budget~{{budget}}/seed~{{seed}}/lr~{AUDIT_LR}/ledger.json",
+        canaries="results/audit/{dataset}/canaries.parquet",
+        reference=list(PRETRAINED_INPUTS.values()),
     output:
-        scores=layout.AUDIT_SCORES,
-        result=layout.AUDIT_RESULT,
+        scores="results/audit/{dataset}/scores/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.parquet",
+        result="results/audit/{dataset}/scores/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.json",
     wildcard_constraints:
-        budget=str(_AUDIT_BUDGET),
+        budget=str(AUDIT_BUDGET),
     params:
         audit=audit_lib.score_params(config),
-        reference=base_model(config),
+        reference=base_model,
         local_reference=not config["model"]["name"],
     log:
-        layout.LOG_AUDIT_SCORE,
+        "results/logs/audit/{dataset}/score/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_AUDIT_SCORE),
+        "results/benchmarks/audit/{dataset}/score/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.tsv"
     threads: config["training"]["threads"]
     resources:
         mem_mb=config["evaluation"]["mem_mb"],
@@ -107,21 +117,23 @@ rule audit_score:
 
 rule audit_summary:
     input:
-        results=lambda wildcards: audit_lib.result_files(config, wildcards.dataset),
+        results=lambda wc: audit_files(
+            "results/audit/{dataset}/scores/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.json", wc.dataset
+        ),
     output:
-        summary=layout.AUDIT_SUMMARY,
-        csv=layout.AUDIT_SUMMARY_CSV,
+        summary="results/audit/{dataset}/summary.parquet",
+        csv="results/audit/{dataset}/summary.csv",
         table=report(
-            layout.AUDIT_TABLE,
+            "results/audit/{dataset}/table.html",
             caption="../report/audit_table.rst",
             category="Privacy audit",
             subcategory="{dataset}",
             labels={"table": "empirical vs claimed epsilon", "dataset": "{dataset}"},
         ),
     log:
-        layout.LOG_AUDIT_SUMMARY,
+        "results/logs/audit/{dataset}/summary.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_AUDIT_SUMMARY),
+        "results/benchmarks/audit/{dataset}/summary.tsv"
     threads: 1
     resources:
         mem_mb=1000,
@@ -135,5 +147,7 @@ rule audit_summary:
 rule audit:
     """Target: the membership audit of every audited cell, its summary, report table and figure."""
     input:
-        audit_lib.audit_targets(config),
+        expand(
+            "results/audit/{dataset}/{file}", dataset=AUDITED_DATASETS, file=["summary.parquet", "summary.csv", "table.html"]
+        ),
         figure_targets(config, family="audit"),

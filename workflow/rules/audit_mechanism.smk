@@ -5,21 +5,19 @@
 # project's calibration); every privatised update is scored and the one-run
 # bound sets an empirical epsilon next to the claimed one. Not part of rule
 # all: run `snakemake --cores 2 audit_mechanism`.
-import userdp.evaluation.audit_targets as _audit_targets_mech
 import userdp.evaluation.mechanism_audit as mechanism_audit_lib
-from userdp import layout
 from userdp.plotting.registry import figure_targets
 
 
 rule audit_mechanism_table:
     output:
-        layout.AUDIT_MECHANISM,
+        "results/audit/{dataset}/mechanism.csv",
     params:
         audit=mechanism_audit_lib.mechanism_params(config),
     log:
-        layout.LOG_AUDIT_MECHANISM,
+        "results/logs/audit/{dataset}/mechanism.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_AUDIT_MECHANISM),
+        "results/benchmarks/audit/{dataset}/mechanism.tsv"
     threads: config["training"]["threads"]
     resources:
         mem_mb=4000,
@@ -33,5 +31,5 @@ rule audit_mechanism_table:
 rule audit_mechanism:
     """Target: the white-box audit of the mechanism, results/audit/{dataset}/mechanism.csv and its figure per audited dataset."""
     input:
-        [layout.AUDIT_MECHANISM.format(dataset=d) for d in _audit_targets_mech.audited_datasets(config)],
+        expand("results/audit/{dataset}/mechanism.csv", dataset=AUDITED_DATASETS),
         figure_targets(config, family="audit_mechanism"),

@@ -1,4 +1,9 @@
-# Shared set-up: config validation, wildcard constraints, target lists.
+# Shared set-up: config validation, wildcard constraints, what the config decides for the rules (the file sets
+# that vary with it), the input functions and the targets of rule all.
+#
+# Paths are written out in the rules (results/...); the library spells the same templates in userdp.layout for
+# its own use (aggregating, reading a cell's folder back), and tests/test_layout.py checks that every path the
+# rules spell is one of layout's templates, so the two cannot drift apart.
 import os
 import sys
 from pathlib import Path
@@ -55,38 +60,232 @@ wildcard_constraints:
     **layout.WILDCARD_RES,
 
 
-def data_targets():
-    from userdp.data.labels import has_labels
+# ---------------------------------------------------------------- what the config decides
 
-    out = []
-    for name in config["datasets"]:
-        out.append(layout.CONTRIBUTIONS.format(dataset=name))
-    for name in grid.grid_datasets(config):
-        out.append(layout.TOKENS.format(dataset=name))
-        if has_labels(config["datasets"][name]):
-            out.append(layout.USER_LABELS.format(dataset=name))
-    return out
+from userdp.data.labels import has_labels
+from userdp.data.sources import has_public_part
+from userdp.privacy.selection import one_job
+from userdp.privacy.targets import counts_from_tokens, stats_private
+from userdp.training.targets import learning_rate_texts, per_cell_jobs, uses_lora
 
 
-def plan_targets():
-    return [cell.plan_path for cell in grid.iter_cells(config)] + [
-        layout.ACCOUNTING_COMPARISON,
+DATASETS = list(config["datasets"])
+GRID_DATASETS = grid.grid_datasets(config)
+PUBLIC_DATASETS = [n for n, spec in config["datasets"].items() if has_public_part(spec)]
+LABELLED_DATASETS = [n for n, spec in config["datasets"].items() if has_labels(spec)]
+DATASETS_RE = layout.names_regex(DATASETS)
+PUBLIC_DATASETS_RE = layout.names_regex(PUBLIC_DATASETS)
+LABELLED_DATASETS_RE = layout.names_regex(LABELLED_DATASETS)
+# Any dataset name the config does NOT define (the lookahead reads up to the next "/"): rule unknown_dataset.
+UNKNOWN_DATASETS_RE = rf"(?!(?:{DATASETS_RE})/)[A-Za-z0-9_-]+"
+
+# The learning rates as path text (lr~...), and whether one fine-tuning job trains them all (training.sweep_jobs
+# per_cell) or one (per_run: the job's {lr} wildcard names it).
+LEARNING_RATES = learning_rate_texts(config)
+PER_CELL = per_cell_jobs(config)
+# A fine-tuned model folder holds the model (config and weights), or under model.lora only its adapter.
+MODEL_FILE_NAMES = (
+    ["adapter_config.json", "adapter_model.safetensors"] if uses_lora(config) else ["config.json", "model.safetensors"]
+)
+# model.name: a hub model, loaded as is; null: the small model rule pretrain builds in results/model/pretrained.
+PRETRAINED_INPUTS = (
+    {}
+    if config["model"]["name"]
+    else {
+        "model": "results/model/pretrained/model.safetensors",
+        "model_config": "results/model/pretrained/config.json",
+    }
+)
+
+
+def base_model(wildcards):
+    """What a fine-tuning or audit job loads as its base (its `model` param): model.name, the hub model, or the
+    folder that pretraining writes. A function of the wildcards only, so a recorded param (Snakemake leaves params
+    derived from input files out of its rerun record); the pipeline's folders are on one shared filesystem."""
+    return config["model"]["name"] or "results/model/pretrained"
+
+
+def model_files(folder):
+    """The files of a fine-tuned model folder (`folder`, a path or a pattern): model or adapter, config first."""
+    return [f"{folder}/{name}" for name in MODEL_FILE_NAMES]
+
+
+def run_files(run_dir, evaluated=True):
+    """What one fine-tuning job writes, run folder by run folder: the ledger, train log and model of each run,
+    and (`evaluated`) its evaluation on held-out users. `run_dir` ends in lr~{lr}: one folder per learning rate
+    for a per-cell job (its other wildcards stay), the pattern itself for a per-run job."""
+    dirs = expand(run_dir, lr=LEARNING_RATES, allow_missing=True) if PER_CELL else [run_dir]
+    extra = ["eval.json", "eval_users.parquet"] if evaluated else []
+    return [
+        path
+        for d in dirs
+        for path in [f"{d}/ledger.json", f"{d}/train_log.parquet", *model_files(f"{d}/model")]
+        + [f"{d}/{name}" for name in extra]
     ]
 
 
+def public_dataset(needs):
+    """The dataset whose public text trains the tokenizer and pretrains the model (tokenizer.public_dataset, or
+    the first with a public part). `needs`: tokenizer.name or model.name, the null setting that needs it."""
+    from userdp.data.tokenize import public_dataset_name
+
+    name = public_dataset_name(config)
+    if name is None:
+        what, fix = {
+            "tokenizer.name": ("a BPE tokenizer is trained", "set tokenizer.name"),
+            "model.name": ("a small model is pretrained", "set model.name to a pretrained model"),
+        }[needs]
+        raise ConfigError(
+            f"{needs} is null, so {what} on public text, but no dataset has a public part; add a synthetic or "
+            "fortunes dataset, give a dataset a public corpus (datasets.<name>.public), set "
+            f"tokenizer.public_dataset to a dataset with public text, or {fix}."
+        )
+    return name
+
+
+def unknown_dataset_error(wildcards):
+    """Rule unknown_dataset's input: the error for a target naming a dataset the config does not define."""
+    raise ConfigError(
+        f"dataset {wildcards.dataset!r} is not defined under 'datasets' in the config "
+        f"(defined: {sorted(DATASETS)}); add it with --configfile (see config/README.md) or fix the target path."
+    )
+
+
+def tokenizer_inputs(wildcards):
+    """The PUBLIC corpus only (never private text); none for a named tokenizer (tokenizer.name)."""
+    if config["tokenizer"]["name"]:
+        return {}
+    return {"public": f"results/data/{public_dataset('tokenizer.name')}/public.parquet"}
+
+
+def pretrain_inputs(wildcards):
+    """The tokenizer, and the public tokens when there is pretraining to do."""
+    ins = {"tokenizer": "results/tokenizer/tokenizer.json"}
+    if not config["model"]["name"] and config["model"]["pretrain"]["steps"] > 0:
+        ins["public"] = f"results/data/{public_dataset('model.name')}/public_tokens.parquet"
+    return ins
+
+
+# The train users' counts (for G and the sampling rates): tokens.parquet when long examples are chunked (rows
+# are what the pool bounds), else users.parquet; and the DP histogram when privacy.contribution_stats.private.
+COUNTS_INPUT = (
+    {"tokens": "results/data/{dataset}/tokens.parquet"}
+    if counts_from_tokens(config)
+    else {"users": "results/data/{dataset}/users.parquet"}
+)
+DP_STATS_INPUT = {"contributions_dp": "results/data/{dataset}/contributions_dp.json"} if stats_private(config) else {}
+
+
+def user_labels_input(wildcards):
+    """The dataset's user labels, where it has them (LABELLED_DATASETS)."""
+    if wildcards.dataset not in LABELLED_DATASETS:
+        return {}
+    return {"labels": f"results/data/{wildcards.dataset}/user_labels.parquet"}
+
+
+def cell_plan(wildcards):
+    """The plan of the cell in a {cell} wildcard (method~/eps~/budget~[/group~]/seed~): the same levels up to
+    the seed, under results/plan/."""
+    setting = wildcards.cell.rpartition("/")[0]
+    return f"results/plan/{wildcards.dataset}/{setting}.json"
+
+
+# ---------------------------------------------------------------- targets
+
+
+def cells(dataset=None):
+    """The grid cells (userdp.grid.iter_cells), of `dataset` only if given."""
+    return [c for c in grid.iter_cells(config) if dataset is None or c.dataset == dataset]
+
+
+def cell_files(pattern, dataset=None, where=lambda cell: True):
+    """`pattern` (with {dataset} and {cell}) for every grid cell of `dataset` (every cell if None), in grid order."""
+    return [pattern.format(dataset=c.dataset, cell=c.cell) for c in cells(dataset) if where(c)]
+
+
+def data_targets():
+    return (
+        expand("results/data/{dataset}/contributions.json", dataset=DATASETS)
+        + expand("results/data/{dataset}/tokens.parquet", dataset=GRID_DATASETS)
+        + expand("results/data/{dataset}/user_labels.parquet", dataset=[d for d in GRID_DATASETS if d in LABELLED_DATASETS])
+    )
+
+
+def plan_targets():
+    return [c.plan_path for c in cells()] + ["results/accounting/comparison.parquet"]
+
+
+def train_targets():
+    """Every run's ledger, train log and model (cells selected by random stopping: the released model in the
+    cell folder), and the pretrained model when the pipeline builds it."""
+    sweep = lambda c: not one_job(config, c.epsilon)
+    out = [
+        f
+        for c in cells()
+        if sweep(c)
+        for lr in LEARNING_RATES
+        for f in [
+            f"results/runs/{c.dataset}/{c.cell}/lr~{lr}/ledger.json",
+            f"results/runs/{c.dataset}/{c.cell}/lr~{lr}/train_log.parquet",
+            *model_files(f"results/runs/{c.dataset}/{c.cell}/lr~{lr}/model"),
+        ]
+    ]
+    out += [f for c in cells() if not sweep(c) for f in model_files(f"results/runs/{c.dataset}/{c.cell}/model")]
+    return out + list(PRETRAINED_INPUTS.values())
+
+
+def evaluation_targets():
+    """Every cell's metrics, the pretrained model's, and each grid dataset's summary and user-group tables."""
+    return cell_files("results/runs/{dataset}/{cell}/metrics.json") + expand(
+        [
+            "results/runs/{dataset}/pretrained/metrics.json",
+            "results/summary/{dataset}/metrics.parquet",
+            "results/summary/{dataset}/metrics.csv",
+            "results/summary/{dataset}/train_curves.parquet",
+            "results/summary/{dataset}/users.parquet",
+            "results/summary/{dataset}/groups.parquet",
+            "results/summary/{dataset}/groups.csv",
+        ],
+        dataset=GRID_DATASETS,
+    )
+
+
+def findings_targets():
+    return expand("results/findings/{study}.{ext}", study=config["findings"]["name"], ext=["json", "csv"])
+
+
+def audit_files(pattern, dataset=None):
+    """`pattern` (the AUDIT wildcards) for every audited cell (userdp.grid.audit_cells), of `dataset` if given."""
+    return [
+        pattern.format(**grid.audit_wildcards(c, config))
+        for c in grid.audit_cells(config)
+        if dataset is None or c.dataset == dataset
+    ]
+
+
+AUDITED_DATASETS = grid.audited_datasets(config)
+AUDIT_BUDGET, AUDIT_STEPS = grid.audit_budget(config)
+AUDIT_LR = layout.fmt_num(grid.audit_learning_rate(config))  # the audit's one learning rate, as path text
+
+
+def audit_canary_inputs(wildcards):
+    """The dataset's tokens and, for a canary design that needs to know which tokens and bigrams occur in the
+    corpus, the pretraining corpus's tokens (when the pipeline pretrains its own model)."""
+    ins = {"tokens": f"results/data/{wildcards.dataset}/tokens.parquet"}
+    if config["audit"]["canary_design"] != "random" and not config["model"]["name"] and config["model"]["pretrain"]["steps"] > 0:
+        ins["public"] = f"results/data/{public_dataset('model.name')}/public_tokens.parquet"
+    return ins
+
+
 def all_targets():
-    from userdp.training.targets import train_targets
-    from userdp.evaluation.targets import evaluation_targets
-    from userdp.experiments.targets import workflow_targets as mean_estimation_targets
     from userdp.plotting.registry import figure_targets
-    from userdp.evaluation.findings_job import targets as findings_targets
 
     return (
         data_targets()
         + plan_targets()
-        + train_targets(config)
-        + evaluation_targets(config)
-        + mean_estimation_targets()
+        + train_targets()
+        + evaluation_targets()
+        + ["results/mean_estimation/results.parquet"]
         + figure_targets(config)
-        + findings_targets(config)
+        + findings_targets()
     )

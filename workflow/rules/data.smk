@@ -1,30 +1,12 @@
-# Data stage: download -> prepare (clean, users, split, contribution stats)
-# -> contribution figure; public text -> tokenizer -> tokens.
+# Data stage: download -> prepare (clean, users, split, contribution stats) -> tokens; the public text of a
+# dataset -> tokenizer -> public tokens (pretraining).
 #
-# Every rule is keyed by {dataset} alone, so asking for one dataset's
-# artifacts (e.g. results/data/<new>/contributions.json from a --configfile)
-# builds that dataset only. Whether a dataset has a public (pretraining) part
-# is decided from the config: its source type or a `public` key
-# (userdp.data.sources.has_public_part), so public.parquet / public_tokens.parquet rules exist only
-# for such datasets and no checkpoint is needed.
-from userdp import layout
-from userdp.privacy.targets import stats_private
-from userdp.data.targets import (
-    datasets_regex,
-    labelled_datasets_regex,
-    public_datasets_regex,
-    tokenizer_inputs,
-    unknown_datasets_regex,
-    unknown_dataset_error,
-)
-
-DATASETS_RE = datasets_regex(config)
-PUBLIC_DATASETS_RE = public_datasets_regex(config)
-LABELLED_DATASETS_RE = labelled_datasets_regex(config)
-UNKNOWN_DATASETS_RE = unknown_datasets_regex(config)
+# Every rule is keyed by {dataset} alone, so asking for one dataset's artifacts (e.g.
+# results/data/<new>/contributions.json from a --configfile) builds that dataset only. Whether a dataset has a
+# public (pretraining) part or user labels is decided from the config (common.smk: PUBLIC_DATASETS,
+# LABELLED_DATASETS), so no checkpoint is needed. tokenizer.batch_rows bounds memory but changes no output:
+# the scripts read it from the config (userdp.untracked), so it is no param and no rerun trigger.
 DATA_RUNTIME = 240  # minutes; the full Stack Overflow corpus takes hours, the default seconds
-# tokenizer.batch_rows bounds memory but changes no output: the scripts read it
-# from the config (userdp.untracked), so it is no param and no rerun trigger.
 
 
 localrules:
@@ -33,16 +15,16 @@ localrules:
 
 rule download_data:
     output:
-        layout.DOWNLOAD,
+        "data/{dataset}/download.json",
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:
-        layout.LOG_DOWNLOAD,
+        "results/logs/data/download_{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_DOWNLOAD),
+        "results/benchmarks/data/download_{dataset}.tsv"
     threads: 1
     priority: PRIORITY["chain"]
     resources:
@@ -56,11 +38,11 @@ rule download_data:
 
 rule prepare_data:
     input:
-        layout.DOWNLOAD,
+        "data/{dataset}/download.json",
     output:
-        examples=layout.EXAMPLES,
-        users=layout.USERS,
-        contributions=layout.CONTRIBUTIONS,
+        examples="results/data/{dataset}/examples.parquet",
+        users="results/data/{dataset}/users.parquet",
+        contributions="results/data/{dataset}/contributions.json",
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
@@ -70,9 +52,9 @@ rule prepare_data:
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:
-        layout.LOG_PREPARE,
+        "results/logs/data/prepare_{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_PREPARE),
+        "results/benchmarks/data/prepare_{dataset}.tsv"
     threads: 1
     priority: PRIORITY["chain"]
     resources:
@@ -89,18 +71,18 @@ rule prepare_data:
 # data priority, so that a group column that varies within a user stops the pipeline before any training.
 rule user_labels:
     input:
-        layout.DOWNLOAD,
+        "data/{dataset}/download.json",
     output:
-        layout.USER_LABELS,
+        "results/data/{dataset}/user_labels.parquet",
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
     wildcard_constraints:
         dataset=LABELLED_DATASETS_RE,
     log:
-        layout.LOG_USER_LABELS,
+        "results/logs/data/user_labels_{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_USER_LABELS),
+        "results/benchmarks/data/user_labels_{dataset}.tsv"
     threads: 1
     priority: PRIORITY["chain"]
     resources:
@@ -114,18 +96,18 @@ rule user_labels:
 
 rule prepare_public:
     input:
-        layout.DOWNLOAD,
+        "data/{dataset}/download.json",
     output:
-        layout.PUBLIC,
+        "results/data/{dataset}/public.parquet",
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
     wildcard_constraints:
         dataset=PUBLIC_DATASETS_RE,
     log:
-        layout.LOG_PREPARE_PUBLIC,
+        "results/logs/data/prepare_public_{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_PREPARE_PUBLIC),
+        "results/benchmarks/data/prepare_public_{dataset}.tsv"
     threads: 1
     priority: PRIORITY["chain"]
     resources:
@@ -139,17 +121,17 @@ rule prepare_public:
 
 rule train_tokenizer:
     input:
-        unpack(lambda wildcards: tokenizer_inputs(config)),
+        unpack(tokenizer_inputs),
     output:
-        tokenizer=layout.TOKENIZER,
-        info=layout.TOKENIZER_INFO,
+        tokenizer="results/tokenizer/tokenizer.json",
+        info="results/tokenizer/tokenizer_info.json",
     params:
         name=config["tokenizer"]["name"],
         vocab_size=config["tokenizer"]["vocab_size"],
     log:
-        layout.LOG_TOKENIZER,
+        "results/logs/data/tokenizer.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_TOKENIZER),
+        "results/benchmarks/data/tokenizer.tsv"
     threads: config["tokenizer"]["threads"]
     priority: PRIORITY["chain"]
     resources:
@@ -163,19 +145,19 @@ rule train_tokenizer:
 
 rule tokenize:
     input:
-        examples=layout.EXAMPLES,
-        tokenizer=layout.TOKENIZER,
+        examples="results/data/{dataset}/examples.parquet",
+        tokenizer="results/tokenizer/tokenizer.json",
     output:
-        layout.TOKENS,
+        "results/data/{dataset}/tokens.parquet",
     params:
         sequence_length=config["tokenizer"]["sequence_length"],
         long_examples=config["tokenizer"]["long_examples"],
     wildcard_constraints:
         dataset=DATASETS_RE,
     log:
-        layout.LOG_TOKENIZE,
+        "results/logs/data/tokenize_{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_TOKENIZE),
+        "results/benchmarks/data/tokenize_{dataset}.tsv"
     threads: config["tokenizer"]["threads"]
     priority: PRIORITY["chain"]
     resources:
@@ -189,31 +171,31 @@ rule tokenize:
 
 use rule tokenize as tokenize_public with:
     input:
-        examples=layout.PUBLIC,
-        tokenizer=layout.TOKENIZER,
+        examples="results/data/{dataset}/public.parquet",
+        tokenizer="results/tokenizer/tokenizer.json",
     output:
-        layout.PUBLIC_TOKENS,
+        "results/data/{dataset}/public_tokens.parquet",
     wildcard_constraints:
         dataset=PUBLIC_DATASETS_RE,
     log:
-        layout.LOG_TOKENIZE_PUBLIC,
+        "results/logs/data/tokenize_public_{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_TOKENIZE_PUBLIC),
+        "results/benchmarks/data/tokenize_public_{dataset}.tsv"
 
 
 # A target under results/data/ that names a dataset the config does not
 # define gets a clear error at DAG-building time instead of "no rule".
 rule unknown_dataset:
     input:
-        lambda wildcards: unknown_dataset_error(config, wildcards.dataset),
+        unknown_dataset_error,
     output:
-        layout.DATA_ARTIFACT,
+        "results/data/{dataset}/{artifact}",
     wildcard_constraints:
         dataset=UNKNOWN_DATASETS_RE,
     log:
-        layout.LOG_UNKNOWN_DATASET,
+        "results/logs/data/unknown_{dataset}_{artifact}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_UNKNOWN_DATASET),
+        "results/benchmarks/data/unknown_{dataset}_{artifact}.tsv"
     threads: 1
     resources:
         mem_mb=100,

@@ -8,17 +8,13 @@
 # runs: select_lr writes the released model's epsilon (privacy.selection)
 # into the cell's ledger (userdp.evaluation.select).
 #
-# `evaluation_targets()` lists every file of this stage (for rule all);
+# `evaluation_targets()` (common.smk) lists every file of this stage (for rule all);
 # `snakemake evaluation` builds them and the LM figures (figures.smk).
 import os
-from functools import partial
 
 import userdp.evaluation.targets as eval_targets
-from userdp import layout
 from userdp.plotting.registry import figure_targets
-from userdp.training.targets import base_model, finetune_params
-
-evaluation_targets = partial(eval_targets.evaluation_targets, config)
+from userdp.training.targets import finetune_params
 
 # Params hold what changes the metrics: which users are evaluated (max_users,
 # seed). evaluation.batch_size and training.device change the metrics only by
@@ -32,11 +28,11 @@ _EVAL_PARAMS = dict(
 
 rule evaluate_pretrained:
     input:
-        model=eval_targets.pretrained_model_files(config),
-        tokens=layout.TOKENS,
+        model=list(PRETRAINED_INPUTS.values()),
+        tokens="results/data/{dataset}/tokens.parquet",
     output:
-        metrics=layout.PRETRAINED_METRICS,
-        users=layout.PRETRAINED_USER_SCORES,
+        metrics="results/runs/{dataset}/pretrained/metrics.json",
+        users="results/runs/{dataset}/pretrained/users.parquet",
     params:
         # the local folder of the pretrained model, or the hub name in model.name
         model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
@@ -44,9 +40,9 @@ rule evaluate_pretrained:
         **eval_targets.split_params(config, selects=False),
         **_EVAL_PARAMS,
     log:
-        layout.LOG_EVALUATE_PRETRAINED,
+        "results/logs/evaluate/{dataset}/pretrained.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_EVALUATE_PRETRAINED),
+        "results/benchmarks/evaluate/{dataset}/pretrained.tsv"
     threads: config["training"]["threads"]
     priority: PRIORITY["evaluate"]
     resources:
@@ -61,16 +57,19 @@ rule evaluate_pretrained:
 
 rule select_lr:
     input:
-        evals=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.EVAL),
-        users=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.EVAL_USERS),
-        ledgers=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.LEDGER),
-        train_logs=lambda wc: eval_targets.lr_run_files(config, wc.dataset, wc.cell, layout.TRAIN_LOG),
+        # each learning rate's run of the cell, in config order
+        evals=expand("results/runs/{dataset}/{cell}/lr~{lr}/eval.json", lr=LEARNING_RATES, allow_missing=True),
+        users=expand("results/runs/{dataset}/{cell}/lr~{lr}/eval_users.parquet", lr=LEARNING_RATES, allow_missing=True),
+        ledgers=expand("results/runs/{dataset}/{cell}/lr~{lr}/ledger.json", lr=LEARNING_RATES, allow_missing=True),
+        train_logs=expand(
+            "results/runs/{dataset}/{cell}/lr~{lr}/train_log.parquet", lr=LEARNING_RATES, allow_missing=True
+        ),
     output:
-        metrics=f"{layout.CELL_DIR}/{layout.METRICS}",
-        ledger=f"{layout.CELL_DIR}/{layout.LEDGER}",
-        train_log=f"{layout.CELL_DIR}/{layout.TRAIN_LOG}",
+        metrics="results/runs/{dataset}/{cell}/metrics.json",
+        ledger="results/runs/{dataset}/{cell}/ledger.json",
+        train_log="results/runs/{dataset}/{cell}/train_log.parquet",
         # the chosen run's per-user test scores (held-out users; rule groups reads them)
-        users=f"{layout.CELL_DIR}/{layout.USER_SCORES}",
+        users="results/runs/{dataset}/{cell}/users.parquet",
     wildcard_constraints:
         # every cell, or only the eps~inf references under random stopping (rule random_stopping below)
         cell=eval_targets.select_lr_cells(config),
@@ -79,9 +78,9 @@ rule select_lr:
         # which train-log columns the cell releases (userdp.training.step_log)
         debug_step_log=bool(config["training"]["debug_step_log"]),
     log:
-        layout.LOG_SELECT_LR,
+        "results/logs/select_lr/{dataset}/{cell}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_SELECT_LR),
+        "results/benchmarks/select_lr/{dataset}/{cell}.tsv"
     threads: 1
     priority: PRIORITY["select"]
     resources:
@@ -104,23 +103,28 @@ if eval_targets.random_stopping(config):
     # runs; a job killed earlier resumes where it stopped.
     rule random_stopping:
         input:
-            unpack(lambda wc: eval_targets.random_stopping_inputs(config, wc.dataset, wc.cell)),
+            plan=cell_plan,
+            tokens="results/data/{dataset}/tokens.parquet",
+            tokenizer="results/tokenizer/tokenizer.json",
+            **PRETRAINED_INPUTS,
         output:
-            metrics=f"{layout.CELL_DIR}/{layout.METRICS}",
-            ledger=f"{layout.CELL_DIR}/{layout.LEDGER}",
-            train_log=f"{layout.CELL_DIR}/{layout.TRAIN_LOG}",
-            users=f"{layout.CELL_DIR}/{layout.USER_SCORES}",
-            **eval_targets.released_model_outputs(config),
+            metrics="results/runs/{dataset}/{cell}/metrics.json",
+            ledger="results/runs/{dataset}/{cell}/ledger.json",
+            train_log="results/runs/{dataset}/{cell}/train_log.parquet",
+            users="results/runs/{dataset}/{cell}/users.parquet",
+            # the released model (or adapter): config, weights
+            model_config=model_files("results/runs/{dataset}/{cell}/model")[0],
+            model=model_files("results/runs/{dataset}/{cell}/model")[1],
         wildcard_constraints:
             cell=layout.PRIVATE_CELL_RE,
         params:
-            model=base_model(config),
+            model=base_model,
             settings=lambda wc: finetune_params(config, wc.dataset),
             learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
             debug_step_log=bool(config["training"]["debug_step_log"]),
             **_EVAL_PARAMS,
         log:
-            layout.LOG_RANDOM_STOPPING,
+            "results/logs/random_stopping/{dataset}/{cell}.log",
         # no benchmark file: its wall time reveals the number of runs K, which stays secret (docs/privacy.md)
         threads: config["training"]["threads"]
         priority: PRIORITY["finetune"]
@@ -137,26 +141,30 @@ if eval_targets.random_stopping(config):
 
 rule aggregate:
     input:
-        unpack(lambda wc: eval_targets.summary_inputs(config, wc.dataset)),
+        # every cell of the dataset's grid, in the same order in each list
+        plans=lambda wc: [c.plan_path for c in cells(wc.dataset)],
+        metrics=lambda wc: cell_files("results/runs/{dataset}/{cell}/metrics.json", wc.dataset),
+        ledgers=lambda wc: cell_files("results/runs/{dataset}/{cell}/ledger.json", wc.dataset),
+        train_logs=lambda wc: cell_files("results/runs/{dataset}/{cell}/train_log.parquet", wc.dataset),
     output:
-        parquet=layout.SUMMARY,
+        parquet="results/summary/{dataset}/metrics.parquet",
         # the summary table in the report (one row per run: plan, ledger and metrics; docs/artifacts.md)
         csv=report(
-            layout.SUMMARY_CSV,
+            "results/summary/{dataset}/metrics.csv",
             caption="../report/metrics_table.rst",
             category="Language-model fine-tuning",
             subcategory="{dataset}",
             labels={"table": "metrics per cell", "dataset": "{dataset}"},
         ),
-        curves=layout.TRAIN_CURVES,
+        curves="results/summary/{dataset}/train_curves.parquet",
     params:
         # grid.budgets: the steps of each cell's compute budget (userdp.grid.cell_of_dir), in compute order
         # (the listed order changes no summary)
         budgets=sorted(config["grid"]["budgets"], key=lambda b: int(b["compute"])),
     log:
-        layout.LOG_AGGREGATE,
+        "results/logs/aggregate/{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_AGGREGATE),
+        "results/benchmarks/aggregate/{dataset}.tsv"
     threads: 1
     priority: PRIORITY["summary"]
     resources:
@@ -172,12 +180,17 @@ rule aggregate:
 # users' data) and the cost of privacy per user group (groups.csv in the report; userdp.evaluation.groups).
 rule groups:
     input:
-        unpack(lambda wc: eval_targets.groups_inputs(config, wc.dataset)),
+        # every cell's and the pretrained model's per-user test scores, the summary (each cell's G) and, where
+        # the dataset labels its users, the labels
+        unpack(user_labels_input),
+        cells=lambda wc: cell_files("results/runs/{dataset}/{cell}/users.parquet", wc.dataset),
+        pretrained="results/runs/{dataset}/pretrained/users.parquet",
+        summary="results/summary/{dataset}/metrics.parquet",
     output:
-        users=layout.SUMMARY_USERS,
-        parquet=layout.GROUPS,
+        users="results/summary/{dataset}/users.parquet",
+        parquet="results/summary/{dataset}/groups.parquet",
         csv=report(
-            layout.GROUPS_CSV,
+            "results/summary/{dataset}/groups.csv",
             caption="../report/groups_table.rst",
             category="Who pays for privacy",
             subcategory="{dataset}",
@@ -188,9 +201,9 @@ rule groups:
         settings={k: v for k, v in config["groups"].items() if k != "per_user_points"},
         seed=config["seed"],
     log:
-        layout.LOG_GROUPS,
+        "results/logs/groups/{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_GROUPS),
+        "results/benchmarks/groups/{dataset}.tsv"
     threads: 1
     priority: PRIORITY["summary"]
     resources:

@@ -5,11 +5,7 @@
 # learning rates, diversities or seeds does not recalibrate, and changing a
 # plot never recomputes anything.
 
-# Targets for rule all: userdp.experiments.targets.workflow_targets()
-# (the results table) and the registry's figure targets.
-
-from userdp import layout
-
+# Targets for rule all (common.smk): the results table and the registry's figure targets.
 # Only what changes a sampling rate or a privacy target triggers recalibration.
 _ME_CALIBRATION_KEYS = (
     "n_users", "contributions_median", "contributions_sigma", "epsilons", "budgets", "group_sizes",
@@ -24,13 +20,13 @@ ME_CALIBRATION_PARAMS = dict(
 
 rule mean_estimation_calibration:
     output:
-        layout.MEAN_ESTIMATION_CALIBRATION,
+        "results/mean_estimation/calibration.parquet",
     params:
         calibration=ME_CALIBRATION_PARAMS,
     log:
-        layout.LOG_MEAN_ESTIMATION_CALIBRATION,
+        "results/logs/mean_estimation/calibration.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_MEAN_ESTIMATION_CALIBRATION),
+        "results/benchmarks/mean_estimation/calibration.tsv"
     # one worker: on 2 cores a 2-thread job waits for both to be free, then blocks the fine-tuning jobs
     threads: 1
     priority: PRIORITY["side"]
@@ -45,19 +41,19 @@ rule mean_estimation_calibration:
 
 rule mean_estimation:
     input:
-        calibration=layout.MEAN_ESTIMATION_CALIBRATION,
+        calibration="results/mean_estimation/calibration.parquet",
     output:
-        results=layout.MEAN_ESTIMATION_RESULTS,
-        sweep=layout.MEAN_ESTIMATION_LR_SWEEP,
+        results="results/mean_estimation/results.parquet",
+        sweep="results/mean_estimation/lr_sweep.parquet",
     params:
         mean_estimation=config["mean_estimation"],
         seed=config["seed"],
         # delta when mean_estimation.delta is null; checked against the calibration's
         delta_exponent=config["privacy"]["delta_exponent"],
     log:
-        layout.LOG_MEAN_ESTIMATION,
+        "results/logs/mean_estimation/run.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_MEAN_ESTIMATION),
+        "results/benchmarks/mean_estimation/run.tsv"
     threads: 1
     priority: PRIORITY["side"]
     resources:

@@ -3,17 +3,30 @@
 # the finished tables only (the LM summaries, the pretrained models' metrics,
 # the accounting comparison, the mean-estimation results). The table is the
 # first entry of the report (category "Findings").
-from userdp import layout
 from userdp.evaluation import findings_job
 
 
 rule findings:
     input:
-        **findings_job.inputs(config),
+        # each grid dataset's summary, pretrained metrics and per-user table (claims 11-14), in grid order
+        summaries=expand("results/summary/{dataset}/metrics.parquet", dataset=GRID_DATASETS),
+        pretrained=expand("results/runs/{dataset}/pretrained/metrics.json", dataset=GRID_DATASETS),
+        users=expand("results/summary/{dataset}/users.parquet", dataset=GRID_DATASETS),
+        comparison="results/accounting/comparison.parquet",
+        mean_estimation="results/mean_estimation/results.parquet",
+        # claim 9 reads the audit (findings.audit): the findings rule then runs it
+        audit_results=branch(
+            config["findings"]["audit"],
+            then=audit_files("results/audit/{dataset}/scores/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.json"),
+        ),
+        audit_scores=branch(
+            config["findings"]["audit"],
+            then=audit_files("results/audit/{dataset}/scores/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.parquet"),
+        ),
     output:
-        json=layout.FINDINGS,
+        json="results/findings/{study}.json",
         csv=report(
-            layout.FINDINGS_CSV,
+            "results/findings/{study}.csv",
             caption="../report/findings_table.rst",
             category="Findings",
             labels={"table": "findings: claims, effects, verdicts"},
@@ -22,9 +35,9 @@ rule findings:
         # the findings section, the grid's datasets, their diversity levels, where the G sweep runs
         **findings_job.params(config),
     log:
-        layout.LOG_FINDINGS,
+        "results/logs/findings/{study}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_FINDINGS),
+        "results/benchmarks/findings/{study}.tsv"
     threads: 1
     priority: PRIORITY["summary"]
     resources:

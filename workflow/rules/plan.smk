@@ -2,12 +2,11 @@
 # training plan (G, sampling rate, expected batch, calibrated sigma), and the
 # accounting comparison (noise needed vs G for the tight ELS accountant, the
 # group-privacy conversion and ULS) with its figure.
-from userdp import grid, layout
 import userdp.privacy.targets as plan_inputs_lib
 
 # Counts n_u come from tokens.parquet in chunk mode (rows, the unit the pool
 # bounds), else users.parquet; the DP histogram is an input only when
-# privacy.contribution_stats.private is on (userdp.privacy.targets).
+# privacy.contribution_stats.private is on (common.smk: COUNTS_INPUT, DP_STATS_INPUT).
 #
 # Params hold exactly what changes a cell's plan (userdp.privacy.targets):
 # the privacy.* keys this cell reads (never privacy.comparison), and the
@@ -26,18 +25,18 @@ _reference_epsilon = lambda wildcards: plan_inputs_lib.reference_epsilon_param(
 # cell's G rule; its Laplace event is composed into every cell's epsilon.
 rule contribution_stats_dp:
     input:
-        unpack(lambda wildcards: plan_inputs_lib.count_inputs(config, wildcards.dataset)),
+        **COUNTS_INPUT,
     output:
-        layout.CONTRIBUTIONS_DP,
+        "results/data/{dataset}/contributions_dp.json",
     params:
         settings=config["privacy"].get("contribution_stats", {}),
         seed=config["seed"],
         # privacy.secret_seeds as resolved for this dataset (null: secret unless the source is synthetic)
         secret=lambda wildcards: plan_inputs_lib.secret_seeds(config, wildcards.dataset),
     log:
-        layout.LOG_CONTRIBUTIONS_DP,
+        "results/logs/plan/contributions_dp_{dataset}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_CONTRIBUTIONS_DP),
+        "results/benchmarks/plan/contributions_dp_{dataset}.tsv"
     threads: 1
     priority: PRIORITY["chain"]  # every plan waits for it
     resources:
@@ -51,9 +50,11 @@ rule contribution_stats_dp:
 
 rule plan:
     input:
-        unpack(lambda wildcards: plan_inputs_lib.plan_inputs(config, wildcards.dataset)),
+        contributions="results/data/{dataset}/contributions.json",
+        **COUNTS_INPUT,
+        **DP_STATS_INPUT,
     output:
-        layout.PLAN,
+        "results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.json",
     params:
         privacy=_plan_privacy,
         steps=lambda wildcards: grid.steps_for_budget(config, wildcards.budget),
@@ -61,9 +62,9 @@ rule plan:
         selection=plan_inputs_lib.selection_param(config),
         group_size=None,
     log:
-        layout.LOG_PLAN,
+        "results/logs/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_PLAN),
+        "results/benchmarks/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.tsv"
     threads: 1
     priority: PRIORITY["plan"]
     resources:
@@ -77,7 +78,7 @@ rule plan:
 
 use rule plan as plan_group_sweep with:
     output:
-        layout.GROUP_PLAN,
+        "results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.json",
     params:
         privacy=_plan_privacy,
         steps=lambda wildcards: grid.steps_for_budget(config, wildcards.budget),
@@ -85,22 +86,22 @@ use rule plan as plan_group_sweep with:
         selection=plan_inputs_lib.selection_param(config),
         group_size=lambda wildcards: int(wildcards.group),
     log:
-        layout.LOG_GROUP_PLAN,
+        "results/logs/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_GROUP_PLAN),
+        "results/benchmarks/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.tsv"
 
 
 rule accounting_comparison:
     output:
-        layout.ACCOUNTING_COMPARISON,
+        "results/accounting/comparison.parquet",
     params:
         comparison=config["privacy"]["comparison"],
         tolerance=config["privacy"]["calibration_tolerance"],
         max_noise_multiplier=config["privacy"]["max_noise_multiplier"],
     log:
-        layout.LOG_ACCOUNTING_COMPARISON,
+        "results/logs/accounting/comparison.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_ACCOUNTING_COMPARISON),
+        "results/benchmarks/accounting/comparison.tsv"
     threads: 1
     priority: PRIORITY["side"]
     resources:

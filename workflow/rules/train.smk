@@ -1,52 +1,35 @@
-# Training stage: pretrain the small base model (rule pretrain), then one DP
-# fine-tuning job per grid cell (rule finetune, and finetune_group for G-sweep
-# cells) that trains every learning rate of training.learning_rates in turn,
-# each into its own run folder (userdp.layout.RUN_DIR), and evaluates each
-# run's model on held-out users: one process start-up (imports, base model,
-# data) per cell instead of one per run and evaluation. With
-# training.sweep_jobs: per_run, a job per run folder instead ({lr} wildcard).
-# Targets: userdp.training.targets.train_targets(config).
-from userdp import layout
+# Training stage: pretrain the small base model (rule pretrain), then one DP fine-tuning job per grid cell
+# (rule finetune, and finetune_group for G-sweep cells) that trains every learning rate of
+# training.learning_rates in turn, each into its own run folder (.../lr~{lr}), and evaluates each run's model on
+# held-out users: one process start-up (imports, base model, data) per cell instead of one per run and
+# evaluation. With training.sweep_jobs: per_run, a job per run folder instead ({lr} wildcard; common.smk:
+# run_files).
 from userdp.evaluation.targets import evaluation_params
-from userdp.training.targets import (
-    PRETRAINED_FILES,
-    base_model,
-    finetune_inputs,
-    finetune_params,
-    finetune_runtime,
-    learning_rate_texts,
-    per_cell_jobs,
-    pretrain_inputs,
-    pretrain_params,
-    sweep_outputs,
-)
+from userdp.training.targets import finetune_params, finetune_runtime, pretrain_params
 
 
-# Params hold exactly the settings that change a rule's result (see
-# userdp.training.targets.finetune_params / pretrain_params), so changing
-# e.g. training.optimizer reruns every run while training.threads,
-# physical_batch_size or checkpoint_every rerun nothing; privacy.secret_seeds
-# enters as resolved per dataset (null: secret unless the source is synthetic),
-# so the param is a function of the {dataset} wildcard. The scripts build their
-# job from these params (userdp.training.targets.pretrain_config,
-# finetune_config); the keys a run reads that change no result (physical_batch_size,
-# checkpoint_every, gradient_checkpointing) it reads from the config
-# (userdp.untracked): no param, so no rerun trigger. threads and gpus come as the
-# rule's threads and resources. Paths: userdp.layout (a run folder per cell and learning rate).
+# Params hold exactly the settings that change a rule's result (userdp.training.targets.finetune_params,
+# pretrain_params), so changing e.g. training.optimizer reruns every run while training.threads,
+# physical_batch_size or checkpoint_every rerun nothing; privacy.secret_seeds enters as resolved per dataset
+# (null: secret unless the source is synthetic), so the param is a function of the {dataset} wildcard. The
+# scripts build their job from these params (userdp.training.targets.pretrain_config, finetune_config); the keys
+# a run reads that change no result (physical_batch_size, checkpoint_every, gradient_checkpointing) it reads from
+# the config (userdp.untracked): no param, so no rerun trigger. threads and gpus come as the rule's threads and
+# resources.
 
 
 rule pretrain:
     input:
-        unpack(lambda wildcards: pretrain_inputs(config)),
+        unpack(pretrain_inputs),
     output:
-        model=PRETRAINED_FILES[0],
-        config=PRETRAINED_FILES[1],
+        model="results/model/pretrained/model.safetensors",
+        config="results/model/pretrained/config.json",
     params:
         settings=pretrain_params(config),
     log:
-        layout.LOG_PRETRAIN,
+        "results/logs/pretrain.log",
     benchmark:
-        layout.benchmark_of(layout.LOG_PRETRAIN),
+        "results/benchmarks/pretrain.tsv"
     threads: config["training"]["threads"]
     priority: PRIORITY["chain"]
     resources:
@@ -60,26 +43,37 @@ rule pretrain:
 
 rule finetune:
     input:
-        unpack(lambda wildcards: finetune_inputs(config, wildcards)),
+        plan="results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}.json",
+        tokens="results/data/{dataset}/tokens.parquet",
+        tokenizer="results/tokenizer/tokenizer.json",
+        **PRETRAINED_INPUTS,
     output:
         # the ledger, train log and model of each run the job trains, and its evaluation on held-out users
-        # (eval.json, eval_users.parquet: userdp.training.targets.sweep_outputs)
-        sweep_outputs(layout.FINETUNE_RUN_DIR, config),
+        # (eval.json, eval_users.parquet)
+        run_files("results/runs/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"),
     params:
         # every rate (the same in both sweep_jobs modes, so switching reruns nothing); the job trains those of
         # its outputs' run folders, in order (a run that already finished, in an earlier job that was killed
         # or in a rerun of an unchanged run, is restored from its finished/ record)
-        learning_rates=[float(lr) for lr in learning_rate_texts(config)],
-        model=base_model(config),
+        learning_rates=[float(lr) for lr in LEARNING_RATES],
+        model=base_model,
         settings=lambda wildcards: finetune_params(config, wildcards.dataset),
         # what changes the metrics: which held-out users (max_users, seed) and splits (validation users only
         # where the cell chooses among several rates: evaluation.validation); changing it reruns the job, which
         # restores its finished runs and evaluates them again
         evaluation=evaluation_params(config),
     log:
-        layout.LOG_FINETUNE if per_cell_jobs(config) else layout.LOG_FINETUNE_RUN,
+        (
+            "results/logs/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.log"
+            if PER_CELL
+            else "results/logs/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.log"
+        ),
     benchmark:
-        layout.benchmark_of(layout.LOG_FINETUNE if per_cell_jobs(config) else layout.LOG_FINETUNE_RUN),
+        (
+            "results/benchmarks/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.tsv"
+            if PER_CELL
+            else "results/benchmarks/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.tsv"
+        )
     threads: config["training"]["threads"]
     priority: PRIORITY["finetune"]
     # gpu > 1 (training.gpus, or set-resources finetune: gpu: N in a profile):
@@ -96,10 +90,24 @@ rule finetune:
         "../scripts/finetune.py"
 
 
+# A G-sweep cell: its plan and folders have the group~{group} level.
 use rule finetune as finetune_group with:
+    input:
+        plan="results/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.json",
+        tokens="results/data/{dataset}/tokens.parquet",
+        tokenizer="results/tokenizer/tokenizer.json",
+        **PRETRAINED_INPUTS,
     output:
-        sweep_outputs(layout.FINETUNE_GROUP_RUN_DIR, config),
+        run_files("results/runs/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}/seed~{seed}/lr~{lr}"),
     log:
-        layout.LOG_FINETUNE_GROUP if per_cell_jobs(config) else layout.LOG_FINETUNE_GROUP_RUN,
+        (
+            "results/logs/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}/seed~{seed}.log"
+            if PER_CELL
+            else "results/logs/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}/seed~{seed}/lr~{lr}.log"
+        ),
     benchmark:
-        layout.benchmark_of(layout.LOG_FINETUNE_GROUP if per_cell_jobs(config) else layout.LOG_FINETUNE_GROUP_RUN),
+        (
+            "results/benchmarks/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}/seed~{seed}.tsv"
+            if PER_CELL
+            else "results/benchmarks/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}/seed~{seed}/lr~{lr}.tsv"
+        )

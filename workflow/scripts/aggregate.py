@@ -1,7 +1,7 @@
 """Snakemake script (rule aggregate): the per-dataset summary table (one row per grid cell) and training curves.
 
 Reads the cells' files the rule lists as its named inputs (plans, metrics,
-ledgers, train_logs; userdp.evaluation.targets.summary_inputs), and grid.budgets
+ledgers, train_logs: userdp.evaluation.aggregate.SUMMARY_INPUTS), and grid.budgets
 from its params (each cell's steps).
 """
 

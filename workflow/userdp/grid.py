@@ -153,6 +153,11 @@ def audit_cells(config: Mapping) -> Iterator[Cell]:
                 yield Cell(dataset, method, eps, compute, steps, int(a["seed"]))
 
 
+def audited_datasets(config: Mapping) -> list[str]:
+    """The datasets with audited cells, in config order."""
+    return list(dict.fromkeys(c.dataset for c in audit_cells(config)))
+
+
 def audit_learning_rate(config: Mapping) -> float:
     """The audit's one learning rate: audit.learning_rate, or the first of training.learning_rates."""
     lr = config["audit"]["learning_rate"]

@@ -44,10 +44,11 @@ from ..io import atomic_path, clean_floats, read_frame, read_json, write_parquet
 from ..grid import Cell, cell_of_dir
 from ..privacy import seed_secrecy
 from ..privacy.spec import RunSpec
-from .targets import SUMMARY_INPUTS
 
 log = logging.getLogger(__name__)
 
+#: Rule aggregate's named inputs: one file per cell in each list, the cells in the same order.
+SUMMARY_INPUTS = ("plans", "metrics", "ledgers", "train_logs")
 ID_COLUMNS = ["dataset", "method", "epsilon", "budget", "steps", "seed", "group_size", "is_group_sweep", "run_dir"]
 CURVE_VALUES = ["loss", "update_signal_norm"]  # per step; a column the log lacks is NaN
 CURVE_COLUMNS = ["dataset", "method", "epsilon", "budget", "seed", "group_size", "is_group_sweep", "learning_rate",

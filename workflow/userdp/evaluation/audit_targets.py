@@ -1,4 +1,4 @@
-"""Inputs, params and targets of the audit rules (workflow/rules/audit.smk), from the config.
+"""Params of the audit rules (workflow/rules/audit.smk), from the config, and the audit's checks before training.
 
 The audit trains each audited cell (userdp.grid.audit_cells) through the
 pipeline's own stages: the plan comes from userdp.privacy.planner.plan_cell
@@ -16,12 +16,6 @@ from .. import grid, layout
 from ..data.canaries import resolved_secret_length
 from ..io import sorted_dict
 from ..privacy import targets as plan_targets
-from ..training import targets as train_targets
-
-
-def audited_datasets(config: Mapping) -> list[str]:
-    """The datasets with audited cells, in config order."""
-    return list(dict.fromkeys(c.dataset for c in grid.audit_cells(config)))
 
 
 def canary_params(config: Mapping) -> dict[str, Any]:
@@ -31,25 +25,6 @@ def canary_params(config: Mapping) -> dict[str, Any]:
                         "secret_length": resolved_secret_length(config), "seed": a["seed"], "config_seed": config["seed"],
                         "max_train_users": a["max_train_users"], "canary_design": a["canary_design"],
                         "prefix_length": a["prefix_length"], "exposure_candidates": a["exposure_candidates"]})
-
-
-def canary_inputs(config: Mapping, dataset: str) -> dict[str, str]:
-    """Rule audit_canaries' inputs: the dataset's tokens and, for a design that needs to know which tokens and
-    bigrams occur in the corpus, the pretraining corpus's tokens (when the pipeline pretrains its own model)."""
-    ins = {"tokens": layout.TOKENS.format(dataset=dataset)}
-    if config["audit"]["canary_design"] != "random" and not config["model"]["name"] \
-            and config["model"]["pretrain"]["steps"] > 0:
-        ins["public"] = train_targets.public_tokens_path(config)
-    return ins
-
-
-def plan_inputs(config: Mapping, dataset: str) -> dict[str, str]:
-    """The audit plan's inputs: the audit's training table (its counts), and the DP histogram when it is on."""
-    ins = {"tokens": layout.AUDIT_TOKENS.format(dataset=dataset),
-           "contributions": layout.CONTRIBUTIONS.format(dataset=dataset)}
-    if plan_targets.stats_private(config):
-        ins["contributions_dp"] = layout.CONTRIBUTIONS_DP.format(dataset=dataset)
-    return ins
 
 
 def grid_delta(privacy: dict, contributions: Mapping) -> tuple[dict, str]:
@@ -81,34 +56,6 @@ def reference_epsilon(config: Mapping, method: str, eps: str) -> float | None:
         return None
     finite = grid.audit_epsilons(config)
     return max(finite) if finite else plan_targets.reference_epsilon_param(config, method, eps)
-
-
-def finetune_inputs(config: Mapping, wildcards: Any) -> dict[str, str]:
-    """Rule audit_finetune's inputs: the audit plan and training table, the tokenizer and the base model."""
-    w = {k: getattr(wildcards, k) for k in ("dataset", "method", "eps", "budget")}
-    ins = {"plan": layout.AUDIT_PLAN.format(**w), "tokens": layout.AUDIT_TOKENS.format(dataset=w["dataset"]),
-           "tokenizer": layout.TOKENIZER}
-    if not config["model"]["name"]:
-        ins["model"], ins["model_config"] = train_targets.PRETRAINED_FILES
-    return ins
-
-
-def run_dir(wildcards: Any, lr: str) -> str:
-    w = {k: getattr(wildcards, k) for k in ("dataset", "method", "eps", "budget", "seed")}
-    return layout.AUDIT_RUN_DIR.format(**w, lr=lr)
-
-
-def score_inputs(config: Mapping, wildcards: Any) -> dict[str, Any]:
-    """Rule audit_score's inputs: the audited model and ledger, the canaries, the reference model's files."""
-    folder = run_dir(wildcards, layout.fmt_num(grid.audit_learning_rate(config)))
-    ins: dict[str, Any] = {
-        "model": train_targets.run_model_files(f"{folder}/{layout.RUN_MODEL}", config),
-        "ledger": f"{folder}/{layout.LEDGER}",
-        "canaries": layout.AUDIT_CANARIES.format(dataset=wildcards.dataset),
-    }
-    if not config["model"]["name"]:
-        ins["reference"] = layout.model_files(layout.PRETRAINED)
-    return ins
 
 
 def score_params(config: Mapping) -> dict[str, Any]:
@@ -161,20 +108,6 @@ def ceiling_check(ceiling: Mapping[str, float], *, canaries: int, delta: float, 
                            f"{epsilon_target:g}: this audit cannot catch a mechanism that breaks its claim (it can "
                            f"still show leakage); more canaries raise the ceiling.")
     return "ok", None
-
-
-def result_files(config: Mapping, dataset: str) -> list[str]:
-    """The audit result (JSON) of every audited cell of `dataset`."""
-    return [layout.AUDIT_RESULT.format(**grid.audit_wildcards(c, config)) for c in grid.audit_cells(config)
-            if c.dataset == dataset]
-
-
-def audit_targets(config: Mapping) -> list[str]:
-    """Per audited dataset: the summary, its CSV and the report table (rule `audit` adds the figure)."""
-    out = []
-    for d in audited_datasets(config):
-        out += [t.format(dataset=d) for t in (layout.AUDIT_SUMMARY, layout.AUDIT_SUMMARY_CSV, layout.AUDIT_TABLE)]
-    return out
 
 
 def plan_time_check(audit: Mapping, run_delta: float, *, dataset: str, method: str,

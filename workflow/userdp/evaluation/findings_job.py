@@ -19,29 +19,6 @@ def diversity_of(config: Mapping, dataset: str) -> float | None:
     return float((spec.get("synthetic") or {}).get("alpha", 0.1))
 
 
-def inputs(config: Mapping) -> dict[str, list[str] | str]:
-    """The findings rule's inputs: each grid dataset's summary and pretrained metrics, the accounting comparison
-    and the mean-estimation results."""
-    datasets = grid.grid_datasets(config)
-    ins = {
-        "summaries": [layout.SUMMARY.format(dataset=d) for d in datasets],
-        "pretrained": [layout.PRETRAINED_METRICS.format(dataset=d) for d in datasets],
-        "comparison": layout.ACCOUNTING_COMPARISON,
-        "mean_estimation": layout.MEAN_ESTIMATION_RESULTS,
-        "users": [layout.SUMMARY_USERS.format(dataset=d) for d in datasets],  # claims 11-14 (user groups)
-    }
-    if config["findings"]["audit"]:  # claim 9 reads the audit: the findings rule then runs it
-        wild = [grid.audit_wildcards(c, config) for c in grid.audit_cells(config)]
-        ins["audit_results"] = [layout.AUDIT_RESULT.format(**w) for w in wild]
-        ins["audit_scores"] = [layout.AUDIT_SCORES.format(**w) for w in wild]
-    return ins
-
-
-def targets(config: Mapping) -> list[str]:
-    name = config["findings"]["name"]
-    return [layout.FINDINGS.format(study=name), layout.FINDINGS_CSV.format(study=name)]
-
-
 def params(config: Mapping) -> dict:
     """Rule findings' params: what the job reads besides its input files. `settings` (the findings section),
     the grid's datasets (in the order of the summaries and pretrained inputs), each one's diversity level

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .. import grid, layout
-from ..data.targets import datasets_regex
 
 FORMATS = ("png", "pdf")
 FIGURE_DIR = "results/figures"
@@ -174,22 +173,16 @@ LM = Family(
 MEAN_ESTIMATION = Family("mean_estimation", "Mean estimation (synthetic)", _draw_mean_estimation)
 CONTRIBUTIONS = Family(
     "contributions", "Data", _draw_contributions, datasets=lambda config: list(config["datasets"]),
-    dataset_regex=datasets_regex, report_formats=("png",),
+    dataset_regex=lambda config: layout.names_regex(list(config["datasets"])), report_formats=("png",),
 )
 ACCOUNTING = Family("accounting", "Accounting", _draw_from_path)  # PNG and PDF in the report
 
 
-def _audited_datasets(config: Mapping) -> list[str]:
-    from ..evaluation.audit_targets import audited_datasets
-
-    return audited_datasets(config)
-
-
 # The membership audit (target `audit`, not rule all: it trains its own runs).
-AUDIT = Family("audit", "Privacy audit", _draw_returned_figure, datasets=_audited_datasets, subcategory="{dataset}",
+AUDIT = Family("audit", "Privacy audit", _draw_returned_figure, datasets=grid.audited_datasets, subcategory="{dataset}",
                report_formats=("png",), in_all=False)
 # The white-box audit of the mechanism (target `audit_mechanism`): the same figure from mechanism.csv.
-AUDIT_MECHANISM = Family("audit_mechanism", "Privacy audit", _draw_returned_figure, datasets=_audited_datasets,
+AUDIT_MECHANISM = Family("audit_mechanism", "Privacy audit", _draw_returned_figure, datasets=grid.audited_datasets,
                          subcategory="{dataset}", report_formats=("png",), in_all=False)
 # Who pays for privacy: the cost of privacy per user group (rule groups' tables), per grid dataset.
 GROUPS = Family("groups", "Who pays for privacy", _draw_returned_figure, datasets=grid.grid_datasets,

@@ -1,10 +1,10 @@
-"""Inputs and params of the plan-stage rules, from the config (kept out of the .smk files)."""
+"""What changes a plan: the params of the plan-stage rules (workflow/rules/plan.smk), from the config, and
+where the train users' counts come from."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .. import layout
 from ..io import sorted_dict
 from .seed_secrecy import secret_seeds  # noqa: F401 (rule contribution_stats_dp's `secret` param)
 
@@ -97,16 +97,3 @@ def reference_epsilon_param(config: dict, method: str, eps: str, group: str | No
     return max(float(e) for e in config["grid"]["epsilons"])
 
 
-def count_inputs(config: dict, dataset: str) -> dict[str, str]:
-    """The file the train users' counts come from: tokens.parquet (chunk mode) or users.parquet."""
-    if counts_from_tokens(config):
-        return {"tokens": layout.TOKENS.format(dataset=dataset)}
-    return {"users": layout.USERS.format(dataset=dataset)}
-
-
-def plan_inputs(config: dict, dataset: str) -> dict[str, str]:
-    """Inputs of a plan cell: the counts, contributions.json, and the DP histogram when it is on."""
-    ins = dict(count_inputs(config, dataset), contributions=layout.CONTRIBUTIONS.format(dataset=dataset))
-    if stats_private(config):
-        ins["contributions_dp"] = layout.CONTRIBUTIONS_DP.format(dataset=dataset)
-    return ins

@@ -1,7 +1,6 @@
-"""Helpers for workflow/rules/train.smk: run targets and rule inputs.
-
-Kept in the library (not in the .smk file) so the rules stay declarative and
-the path logic is unit-testable. The paths are userdp.layout's templates.
+"""What changes a fine-tuning or pretraining job: the params of workflow/rules/train.smk (and of the audit's and
+random stopping's fine-tuning), the job sizes (learning rates per job, runtime), and the config a job builds
+from its params. The rules' files are written out in the .smk files.
 """
 
 from __future__ import annotations
@@ -9,33 +8,14 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any, Iterable, Mapping
 
-from .. import grid, layout
-from ..errors import ConfigError
+from .. import layout
 from ..io import sorted_dict
 from ..privacy import seed_secrecy
-from ..privacy.selection import one_job
 from .settings import EXECUTION_TRAINING_KEYS, RESULT_TRAINING_KEYS
 
-# The files rule `pretrain` writes (weights, config).
-PRETRAINED_FILES = (f"{layout.PRETRAINED}/{layout.MODEL_WEIGHTS}", f"{layout.PRETRAINED}/{layout.MODEL_CONFIG}")
 def uses_lora(config: dict) -> bool:
     """Whether fine-tuning trains LoRA adapters (model.lora), so run folders hold an adapter, not a model."""
     return bool(config["model"].get("lora"))
-
-
-def run_model_files(folder: str, config: dict) -> list[str]:
-    """The files of a fine-tuned model folder: the whole model, or its LoRA adapter under model.lora."""
-    return layout.model_files(folder, adapter=uses_lora(config))
-
-
-def run_outputs(run_dir: str, config: dict) -> dict[str, str]:
-    """The outputs of rule `finetune` (by name) for a run folder or run-folder template.
-
-    `model` and `model_config` are the saved model's weights and config, or under model.lora the adapter's.
-    """
-    config_file, weights = run_model_files(f"{run_dir}/{layout.RUN_MODEL}", config)
-    return {"ledger": f"{run_dir}/{layout.LEDGER}", "train_log": f"{run_dir}/{layout.TRAIN_LOG}",
-            "model": weights, "model_config": config_file}
 
 
 def learning_rate_texts(config: dict) -> list[str]:
@@ -51,24 +31,6 @@ def per_cell_jobs(config: dict) -> bool:
 def rates_per_job(config: dict) -> int:
     """How many learning rates one job of rule finetune (and evaluate) trains (evaluates)."""
     return len(config["training"]["learning_rates"]) if per_cell_jobs(config) else 1
-
-
-def lr_dirs(run_dir: str, config: dict) -> list[str]:
-    """The run folders one job writes, from a run-folder template with an `{lr}` wildcard.
-
-    training.sweep_jobs per_cell: the folder of every learning rate, in config order (other wildcards such as
-    {dataset} or {cell} stay templates); per_run: the template itself (the job's {lr} wildcard names its rate).
-    """
-    if not per_cell_jobs(config):
-        return [run_dir]
-    return [run_dir.replace("{lr}", lr) for lr in learning_rate_texts(config)]
-
-
-def sweep_outputs(run_dir: str, config: dict) -> list[str]:
-    """The outputs of one job of rule `finetune`, run folder by run folder (`lr_dirs`, in order): its
-    `run_outputs` and its evaluation on held-out users (eval.json, eval_users.parquet)."""
-    return [path for d in lr_dirs(run_dir, config)
-            for path in [*run_outputs(d, config).values(), f"{d}/{layout.EVAL}", f"{d}/{layout.EVAL_USERS}"]]
 
 
 def sweep_runs(outputs: list[str], name: str, learning_rates: list[float]) -> list[tuple[float, str]]:
@@ -96,69 +58,6 @@ def finetune_runtime(config: dict) -> int:
         * rates_per_job(config)
 
 
-def run_dirs(config: dict) -> list[str]:
-    """Every run folder: each grid cell (userdp.grid.iter_cells) x training.learning_rates.
-
-    Under random stopping (privacy.selection) a private cell has no run folder per learning rate: one
-    job trains its runs out of sight and releases the best into the cell folder (`released_models`).
-    """
-    return [cell.lr_dir(lr) for cell in grid.iter_cells(config) if not one_job(config, cell.epsilon)
-            for lr in config["training"]["learning_rates"]]
-
-
-def released_models(config: dict) -> list[str]:
-    """The model files of the cells selected by random stopping (their RUN_MODEL in the cell folder)."""
-    return [path for cell in grid.iter_cells(config) if one_job(config, cell.epsilon)
-            for path in run_model_files(f"{cell.run_dir}/{layout.RUN_MODEL}", config)]
-
-
-def train_targets(config: dict) -> list[str]:
-    """The files rule `finetune` writes for every run (plus the pretrained model if it is built)."""
-    out = [path for d in run_dirs(config) for path in run_outputs(d, config).values()] + released_models(config)
-    if not config["model"]["name"]:
-        out += list(PRETRAINED_FILES)
-    return out
-
-
-def public_tokens_path(config: dict) -> str:
-    """Path of the public tokens pretraining reads; ConfigError when there is no public corpus."""
-    from ..data.tokenize import public_dataset_name
-
-    name = public_dataset_name(config)
-    if name is None:
-        raise ConfigError(
-            "model.name is null (build and pretrain a small model) but no dataset has a public part; "
-            "set tokenizer.public_dataset to a dataset with public text, or set model.name to a pretrained model."
-        )
-    return layout.PUBLIC_TOKENS.format(dataset=name)
-
-
-def pretrain_inputs(config: dict) -> dict[str, str]:
-    """Inputs of rule `pretrain`: the tokenizer, and the public tokens when there is pretraining to do."""
-    ins = {"tokenizer": layout.TOKENIZER}
-    if not config["model"]["name"] and config["model"]["pretrain"]["steps"] > 0:
-        ins["public"] = public_tokens_path(config)
-    return ins
-
-
-def finetune_inputs(config: dict, wildcards: Any) -> dict[str, str]:
-    """Inputs of rule `finetune` (and `finetune_group`) for one run."""
-    group = wildcards.get("group") if hasattr(wildcards, "get") else getattr(wildcards, "group", None)
-    cell = {k: getattr(wildcards, k) for k in ("dataset", "method", "eps", "budget")}
-    ins = {
-        "plan": (layout.GROUP_PLAN if group else layout.PLAN).format(**cell, group=group),
-        "tokens": layout.TOKENS.format(dataset=wildcards.dataset),
-        "tokenizer": layout.TOKENIZER,
-    }
-    # A named model (model.name) is loaded as is; the small default comes from `pretrain`.
-    if not config["model"]["name"]:
-        ins["model"], ins["model_config"] = PRETRAINED_FILES
-    return ins
-
-
-def base_model(config: dict) -> str:
-    """What `finetune` loads: model.name, or the pretrained folder."""
-    return config["model"]["name"] or layout.PRETRAINED
 
 
 def model_spec(config: dict) -> dict[str, Any]:
