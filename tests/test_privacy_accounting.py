@@ -318,6 +318,12 @@ def test_user_level_accountant_delta_and_its_refusals():
     # a non-private part: epsilon inf, delta 1
     leaky = A.UserLevelAccountant().compose(dp_accounting.NonPrivateDpEvent())
     assert leaky.get_epsilon(1e-5) == math.inf and leaky.get_delta(10.0) == 1.0
+    # a part composed zero times never happens: nothing to account, but it must still be one the accountant knows
+    never = dp_accounting.SelfComposedDpEvent(dp_accounting.NonPrivateDpEvent(), 0)
+    assert A.epsilon(never, 1e-5) == 0.0 and A.epsilon(dp_accounting.ComposedDpEvent([event, never]), 1e-5,
+                                                        discretization=d) == eps
+    with pytest.raises(PrivacyError, match="ZCDpEvent"):
+        A.epsilon(dp_accounting.SelfComposedDpEvent(dp_accounting.dp_event.ZCDpEvent(0.5), 0), 1e-5)
     # what it cannot account is refused as dp-accounting's accountants refuse it, naming the event
     unsupported = dp_accounting.dp_event.ZCDpEvent(0.5)
     assert not A.UserLevelAccountant().supports(dp_accounting.ComposedDpEvent([event, unsupported]))

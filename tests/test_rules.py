@@ -177,3 +177,15 @@ def test_findings_read_the_audit_in_the_order_of_their_params(tmp_path):
     for (dataset, method, eps), result, score in zip(cells, results, scores, strict=True):
         prefix = f"results/audit/{dataset}/scores/method~{method}/eps~{eps}/"
         assert result.startswith(prefix) and score.startswith(prefix), (result, score, prefix)
+
+
+def test_random_stopping_trains_each_private_cell_with_its_own_plan(tmp_path):
+    """privacy.selection random_stopping: one job per private cell, reading the plan of that very cell (the G
+    sweep's cells their group plan); the non-private references keep the sweep and select_lr."""
+    dag = dry_run(tmp_path, {**GRID, "privacy": {"selection": {"accounting": "random_stopping"}}})
+    jobs = {f: j for f, j in dag.items() if j["rule"] == "random_stopping" and f.endswith("/ledger.json")}
+    assert len(jobs) == 2 * 2 + 2  # 2 methods x 2 epsilons, and the 2 G-sweep cells
+    for ledger, job in jobs.items():
+        cell = ledger.removeprefix("results/runs/d/").removesuffix("/seed~0/ledger.json")
+        assert f"results/plan/d/{cell}.json" in job["inputs"], (ledger, job["inputs"])
+    assert dag["results/runs/d/method~els/eps~inf/budget~100/seed~0/metrics.json"]["rule"] == "select_lr"

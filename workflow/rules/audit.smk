@@ -70,10 +70,8 @@ use rule finetune as audit_finetune with:
         tokenizer="results/tokenizer/tokenizer.json",
         **PRETRAINED_INPUTS,
     output:
-        ledger="results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}/ledger.json",
-        train_log="results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}/train_log.parquet",
-        model_config=model_files("results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}/model")[0],
-        model=model_files("results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}/model")[1],
+        # one run, at the audit's learning rate: its ledger, train log and model (no evaluation)
+        run_outputs("results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"),
     wildcard_constraints:
         budget=str(AUDIT_BUDGET),
     log:

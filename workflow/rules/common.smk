@@ -84,10 +84,10 @@ UNKNOWN_DATASETS_RE = rf"(?!(?:{DATASETS_RE})/)[A-Za-z0-9_-]+"
 LEARNING_RATES = learning_rate_texts(config)
 PER_CELL = per_cell_jobs(config)
 # A fine-tuned model folder holds the model (config and weights), or under model.lora only its adapter.
-MODEL_FILE_NAMES = (
-    ["adapter_config.json", "adapter_model.safetensors"] if uses_lora(config) else ["config.json", "model.safetensors"]
-)
-# model.name: a hub model, loaded as is; null: the small model rule pretrain builds in results/model/pretrained.
+MODEL_FILE_NAMES = layout.ADAPTER_FILES if uses_lora(config) else layout.MODEL_FILES
+# model.name: a hub model, loaded as is; null: the small model rule pretrain builds in results/model/pretrained,
+# pretrained on public text unless model.pretrain.steps is 0.
+PRETRAINS = not config["model"]["name"] and config["model"]["pretrain"]["steps"] > 0
 PRETRAINED_INPUTS = (
     {}
     if config["model"]["name"]
@@ -110,18 +110,17 @@ def model_files(folder):
     return [f"{folder}/{name}" for name in MODEL_FILE_NAMES]
 
 
-def run_files(run_dir, evaluated=True):
-    """What one fine-tuning job writes, run folder by run folder: the ledger, train log and model of each run,
-    and (`evaluated`) its evaluation on held-out users. `run_dir` ends in lr~{lr}: one folder per learning rate
-    for a per-cell job (its other wildcards stay), the pattern itself for a per-run job."""
+def run_outputs(run_dir):
+    """What training writes into a run folder: the ledger, the train log and the model."""
+    return [f"{run_dir}/ledger.json", f"{run_dir}/train_log.parquet", *model_files(f"{run_dir}/model")]
+
+
+def run_files(run_dir):
+    """What one fine-tuning job writes, run folder by run folder: each run's outputs and its evaluation on
+    held-out users. `run_dir` ends in lr~{lr}: one folder per learning rate for a per-cell job (its other
+    wildcards stay), the pattern itself for a per-run job."""
     dirs = expand(run_dir, lr=LEARNING_RATES, allow_missing=True) if PER_CELL else [run_dir]
-    extra = ["eval.json", "eval_users.parquet"] if evaluated else []
-    return [
-        path
-        for d in dirs
-        for path in [f"{d}/ledger.json", f"{d}/train_log.parquet", *model_files(f"{d}/model")]
-        + [f"{d}/{name}" for name in extra]
-    ]
+    return [path for d in dirs for path in [*run_outputs(d), f"{d}/eval.json", f"{d}/eval_users.parquet"]]
 
 
 def public_dataset(needs):
@@ -161,7 +160,7 @@ def tokenizer_inputs(wildcards):
 def pretrain_inputs(wildcards):
     """The tokenizer, and the public tokens when there is pretraining to do."""
     ins = {"tokenizer": "results/tokenizer/tokenizer.json"}
-    if not config["model"]["name"] and config["model"]["pretrain"]["steps"] > 0:
+    if PRETRAINS:
         ins["public"] = f"results/data/{public_dataset('model.name')}/public_tokens.parquet"
     return ins
 
@@ -184,23 +183,24 @@ def user_labels_input(wildcards):
 
 
 def cell_plan(wildcards):
-    """The plan of the cell in a {cell} wildcard (method~/eps~/budget~[/group~]/seed~): the same levels up to
-    the seed, under results/plan/."""
-    setting = wildcards.cell.rpartition("/")[0]
-    return f"results/plan/{wildcards.dataset}/{setting}.json"
+    """The plan the cell in a {cell} wildcard trains with (userdp.grid.Cell.plan_path)."""
+    return grid.cell_of_dir(f"results/runs/{wildcards.dataset}/{wildcards.cell}", config).plan_path
 
 
 # ---------------------------------------------------------------- targets
 
 
+CELLS = list(grid.iter_cells(config))  # the grid cells, in grid order
+
+
 def cells(dataset=None):
-    """The grid cells (userdp.grid.iter_cells), of `dataset` only if given."""
-    return [c for c in grid.iter_cells(config) if dataset is None or c.dataset == dataset]
+    """The grid cells, of `dataset` only if given."""
+    return [c for c in CELLS if dataset is None or c.dataset == dataset]
 
 
-def cell_files(pattern, dataset=None, where=lambda cell: True):
+def cell_files(pattern, dataset=None):
     """`pattern` (with {dataset} and {cell}) for every grid cell of `dataset` (every cell if None), in grid order."""
-    return [pattern.format(dataset=c.dataset, cell=c.cell) for c in cells(dataset) if where(c)]
+    return [pattern.format(dataset=c.dataset, cell=c.cell) for c in cells(dataset)]
 
 
 def data_targets():
@@ -218,19 +218,12 @@ def plan_targets():
 def train_targets():
     """Every run's ledger, train log and model (cells selected by random stopping: the released model in the
     cell folder), and the pretrained model when the pipeline builds it."""
-    sweep = lambda c: not one_job(config, c.epsilon)
-    out = [
-        f
-        for c in cells()
-        if sweep(c)
-        for lr in LEARNING_RATES
-        for f in [
-            f"results/runs/{c.dataset}/{c.cell}/lr~{lr}/ledger.json",
-            f"results/runs/{c.dataset}/{c.cell}/lr~{lr}/train_log.parquet",
-            *model_files(f"results/runs/{c.dataset}/{c.cell}/lr~{lr}/model"),
-        ]
-    ]
-    out += [f for c in cells() if not sweep(c) for f in model_files(f"results/runs/{c.dataset}/{c.cell}/model")]
+    out = []
+    for c in CELLS:
+        if one_job(config, c.epsilon):
+            out += model_files(f"results/runs/{c.dataset}/{c.cell}/model")
+        else:
+            out += [f for lr in LEARNING_RATES for f in run_outputs(f"results/runs/{c.dataset}/{c.cell}/lr~{lr}")]
     return out + list(PRETRAINED_INPUTS.values())
 
 
@@ -272,7 +265,7 @@ def audit_canary_inputs(wildcards):
     """The dataset's tokens and, for a canary design that needs to know which tokens and bigrams occur in the
     corpus, the pretraining corpus's tokens (when the pipeline pretrains its own model)."""
     ins = {"tokens": f"results/data/{wildcards.dataset}/tokens.parquet"}
-    if config["audit"]["canary_design"] != "random" and not config["model"]["name"] and config["model"]["pretrain"]["steps"] > 0:
+    if config["audit"]["canary_design"] != "random" and PRETRAINS:
         ins["public"] = f"results/data/{public_dataset('model.name')}/public_tokens.parquet"
     return ins
 

@@ -106,6 +106,8 @@ MODEL_FILES = (MODEL_CONFIG, MODEL_WEIGHTS)
 # A fine-tuned run with model.lora saves only its adapter (peft's save_pretrained); the base is model.name or
 # PRETRAINED, named in the adapter config.
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 PRETRAINED = "results/model/pretrained"
 
 # Runs: a grid cell's folder is RUNS/{cell}, {cell} being CELL or GROUP_CELL formatted (matched by CELL_RE);
