@@ -29,7 +29,8 @@ class PrivacyArguments:
     framed with the tokenizer's chat template, the loss on the assistant's messages only), or prompt_column with
     completion_column (the loss on the completion only). delta: default 1 / N^1.1 for N users.
     group_size: the contribution bound G (default: the method's rule, median for ELS, snr for ULS).
-    clip_norm, clipping: privacy.clip_norm (default 1.0) and privacy.clipping ("flat" or "normalized").
+    clip_norm, clipping: privacy.clip_norm (default 1.0) and privacy.clipping ("flat", "normalized" or
+    "adaptive"); adaptive: privacy.adaptive (quantile, learning_rate, count_noise) for adaptive clipping.
     secret_seeds: True (the default for user data): the sampling and noise randomness is fresh OS entropy,
     never written; False derives it from `seed` (reproducible; the guarantee then does not hold against
     whoever has the seed).
@@ -44,6 +45,7 @@ class PrivacyArguments:
     group_size: int | None = None
     clip_norm: float | None = None
     clipping: str | None = None
+    adaptive: dict | None = None
     secret_seeds: bool = True
     seed: int = 0
     messages_column: str | None = None
@@ -67,14 +69,15 @@ class PrivacyArguments:
         self.framing()
         if not isinstance(self.secret_seeds, bool):
             raise ConfigError(f"PrivacyArguments.secret_seeds is {self.secret_seeds!r}; give True or False.")
-        privacy_section(self)  # the schema's checks of delta, clip_norm, clipping
+        privacy_section(self)  # the schema's checks of delta, clip_norm, clipping, adaptive
 
 
 def privacy_section(args: PrivacyArguments) -> dict[str, Any]:
     """The privacy.* keys of `args`, validated by the schema (messages name PrivacyArguments' fields)."""
     from .config import run_config
 
-    section = {k: getattr(args, k) for k in ("delta", "clip_norm", "clipping") if getattr(args, k) is not None}
+    section = {k: getattr(args, k) for k in ("delta", "clip_norm", "clipping", "adaptive")
+               if getattr(args, k) is not None}
     return _named(lambda: run_config(privacy=section, source="PrivacyArguments")["privacy"], "privacy",
                   "PrivacyArguments", section)
 

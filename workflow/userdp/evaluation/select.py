@@ -148,7 +148,7 @@ def copy_train_log(src: str | os.PathLike, dst: str | os.PathLike, debug_step_lo
     if not Path(src).exists():
         raise DataError(f"{src} does not exist; the training rule should have written it.")
     frame = read_frame(src)
-    write_parquet(dst, frame[[c for c in released_columns(debug_step_log) if c in frame.columns]])
+    write_parquet(dst, frame[[c for c in released_columns(debug_step_log, adaptive=True) if c in frame.columns]])
 
 
 def copy_user_scores(src: str | os.PathLike, dst: str | os.PathLike) -> None:

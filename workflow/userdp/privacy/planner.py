@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError, PrivacyError
 from . import accounting, contribution_stats, mechanism
+from . import adaptive as adaptive_lib
 from .calibration import calibrate
 from .contribution_stats import NoisyHistogram
 from .contributions import Contributions, ExactCounts
@@ -218,6 +219,13 @@ def plan_cell(
         fields.update(contribution_stats=released, contribution_statistics=(
             "private: Laplace histogram composed into epsilon; G, N_G and mbar_G come from the histogram, only "
             "the number of train users N is treated as public (docs/privacy.md)"))
+    adaptive = adaptive_lib.of_config(privacy) if private else None
+    if adaptive is not None:
+        try:  # the count's noise must leave some of the step's budget to the gradient (at the planned divisor)
+            adaptive.gradient_noise_multiplier(sigma, float(sampling.expected_batch))
+        except PrivacyError as exc:
+            raise PrivacyError(f"{cell}: {exc}") from None
+        fields["adaptive_clipping"] = adaptive.record()
     if table is not None:
         fields["group_size_candidates"] = table
         if not private:

@@ -26,6 +26,7 @@ import os
 from typing import Any, ClassVar, Mapping
 
 from ..errors import DataError, PrivacyError, UserError
+from . import adaptive as adaptive_lib
 from . import mechanism as mechanism_lib
 from .selection import Selection
 
@@ -33,8 +34,9 @@ from .selection import Selection
 PRIVATE_SIZES = "DP histogram"
 #: The plan's one machine-dependent field: the calibration's wall time (calibration[CALIBRATION_TIMING]).
 CALIBRATION_TIMING = "seconds"
-#: Clipping modes: per-unit flat clipping min(1, C / ||g||) g, or normalisation C g / ||g||.
-CLIPPING_MODES = ("flat", "normalized")
+#: Clipping modes: per-unit flat clipping min(1, C / ||g||) g, normalisation C g / ||g||, or flat clipping whose
+#: C follows a quantile of the units' norms (privacy.adaptive: its record is the plan's `adaptive_clipping`).
+CLIPPING_MODES = ("flat", "normalized", adaptive_lib.ADAPTIVE)
 
 _FLOAT, _INT, _STR, _MAP, _LIST = "float", "int", "str", "mapping", "list"
 
@@ -85,6 +87,7 @@ class RunSpec:
     group_size_reference_epsilon: float | None = None
     median_train: float | None = None
     contribution_counts: str | None = None
+    adaptive_clipping: Mapping[str, Any] | None = None
 
     #: Fields every plan file must have (the rest default to None: not recorded). Only clip_norm and clipping
     #: may be null (the non-private reference). A spec built in code gets its dp_event computed.
@@ -94,7 +97,8 @@ class RunSpec:
     NULLABLE: ClassVar[tuple[str, ...]] = ("clip_norm", "clipping")
     #: Left out of the record when None (the planner writes them only when they apply).
     OPTIONAL_IN_RECORD: ClassVar[tuple[str, ...]] = ("contribution_stats", "group_size_candidates",
-                                                     "group_size_reference_epsilon", "contribution_counts")
+                                                     "group_size_reference_epsilon", "contribution_counts",
+                                                     "adaptive_clipping")
     _KINDS: ClassVar[dict[str, str]] = {
         "dataset": _STR, "method": _STR, "epsilon": _FLOAT, "delta": _FLOAT, "delta_rule": _STR,
         "group_size": _INT, "group_size_rule": _STR, "sampling_rate": _FLOAT, "steps": _INT,
@@ -106,6 +110,7 @@ class RunSpec:
         "selection": _MAP, "epsilon_target_of": _STR, "epsilon_per_run": _FLOAT, "delta_warning": _STR,
         "group_size_note": _STR, "contribution_stats": _MAP, "group_size_candidates": _LIST,
         "group_size_reference_epsilon": _FLOAT, "median_train": _FLOAT, "contribution_counts": _STR,
+        "adaptive_clipping": _MAP,
     }
 
     def __post_init__(self) -> None:
@@ -132,6 +137,12 @@ class RunSpec:
                                "clipping bounds nothing.")
         if self.clipping is not None and self.clipping not in CLIPPING_MODES:
             raise PrivacyError(f"clipping is {self.clipping!r}; allowed: {', '.join(CLIPPING_MODES)} or null.")
+        if (self.clipping == adaptive_lib.ADAPTIVE) != (self.adaptive_clipping is not None):
+            raise PrivacyError(f"clipping is {self.clipping!r} with adaptive_clipping "
+                               f"{'absent' if self.adaptive_clipping is None else 'present'}: adaptive clipping's "
+                               "settings are recorded exactly when clipping is 'adaptive'.")
+        if self.adaptive_clipping is not None:
+            adaptive_lib.AdaptiveClipping.from_record(self.adaptive_clipping)
         if not self.expected_batch >= 0:
             raise PrivacyError(f"expected_batch is {self.expected_batch}; it must be >= 0.")
         if math.isinf(self.epsilon) != (self.noise_multiplier == 0):
@@ -173,6 +184,13 @@ class RunSpec:
     def normalized(self) -> bool:
         """Normalised clipping C g / ||g|| instead of flat clipping."""
         return self.clipping == "normalized"
+
+    @property
+    def adaptive(self) -> adaptive_lib.AdaptiveClipping | None:
+        """Adaptive clipping's settings (the clip norm is then C_0), None for a fixed clip norm."""
+        if self.adaptive_clipping is None:
+            return None
+        return adaptive_lib.AdaptiveClipping.from_record(self.adaptive_clipping)
 
     @property
     def sizes_from_release(self) -> bool:

@@ -388,6 +388,9 @@ def run_facts(run: Run) -> RunFacts:
         trainable_parameters=sum(p.numel() for p in state.params), adapter=_adapter_record(state.model),
         nonfinite_units=dropped if ctx.settings.debug_step_log else None,
         loss_tokens=None if ctx.pool.loss_mask_values is None else "answers",
+        adaptive_clipping=None if state.adaptive is None else {
+            **state.adaptive.record(), "gradient_noise_multiplier": state.noise.noise_multiplier,
+            "count_noise_std": state.adaptive.count_std(state.divisor), "clip_norm_final": state.clip_norm},
     )
 
 
@@ -410,7 +413,8 @@ def write_records(run: Run, folder: str | Path, compute_epsilon: Callable[..., f
     paths = RunPaths(Path(folder))
     ledger = build_ledger(ctx.spec, run_facts(run), compute_epsilon)
     # Per-step noise-free values (batch loss, realised sizes, timing) only with training.debug_step_log.
-    write_parquet(paths.train_log, state.frame()[step_log.released_columns(ctx.settings.debug_step_log)])
+    write_parquet(paths.train_log, state.frame()[step_log.released_columns(ctx.settings.debug_step_log,
+                                                                            state.adaptive is not None)])
     write_json(paths.ledger, ledger)
     model_card.write_card(paths.run_dir, ledger)
     return ledger

@@ -108,6 +108,7 @@ class RunFacts:
     adapter: Mapping[str, Any] | None = None
     nonfinite_units: int | None = None
     loss_tokens: str | None = None   # "answers" for chat / instruction data (a loss mask); None: every token
+    adaptive_clipping: Mapping[str, Any] | None = None  # adaptive clipping's settings, noises and final C
 
 
 def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., float] | None = None) -> dict[str, Any]:
@@ -186,6 +187,10 @@ def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., floa
         # users' data, released only with training.debug_step_log (like the per-step log).
         "nonfinite_units": facts.nonfinite_units,
     })
+    if facts.adaptive_clipping is not None:  # only adaptive clipping's runs: other ledgers are as they were
+        # noise_multiplier above is the accounted sigma of gradient and count together; the gradient's own
+        # (larger) multiplier and the count's noise are here (userdp.privacy.adaptive)
+        ledger["adaptive_clipping"] = dict(facts.adaptive_clipping)
     if facts.loss_tokens is not None:  # only chat and instruction runs: text runs' ledgers are as they were
         ledger["loss_tokens"] = facts.loss_tokens
     return ledger

@@ -86,6 +86,7 @@ def card_facts(ledger: Mapping[str, Any], audit: Mapping[str, Any] | None = None
         "noise_multiplier": float(ledger["noise_multiplier"]),
         "clip_norm": ledger.get("clip_norm"),
         "clipping": ledger.get("clipping"),
+        "adaptive_clipping": ledger.get("adaptive_clipping"),
         "accountant": ledger.get("accountant"),
         "expected_batch": ledger.get("expected_batch"),
         "epsilon_meaning": ledger.get("epsilon_meaning"),
@@ -157,7 +158,8 @@ def render(ledger: Mapping[str, Any], *, title: str | None = None, audit: Mappin
             f"| steps | {f['steps']} (planned {f['steps_planned']}) |",
             f"| noise multiplier | {_num(f['noise_multiplier'])} |",
             f"| clip norm | {_num(f['clip_norm'])} ({f['clipping'] or 'no'} clipping, per "
-            f"{'user' if f['method'] == 'uls' else 'example'}) |",
+            f"{'user' if f['method'] == 'uls' else 'example'}"
+            f"{_adaptive_text(f['adaptive_clipping'])}) |",
             f"| accountant | {f['accountant'] or 'none'} |",
             f"| randomness | {f['seeds_mode']} seeds |", ""]
     out += ["## What the epsilon covers", ""]
@@ -208,3 +210,13 @@ def write_card(folder: str | os.PathLike, ledger: Mapping[str, Any], *, title: s
     path = Path(folder) / CARD
     write_text(path, render(ledger, title=title, audit=audit))
     return path
+
+
+def _adaptive_text(adaptive: dict | None) -> str:
+    """Adaptive clipping's line in the card: C_0 moved to its final value, toward which quantile, and the count."""
+    if not adaptive:
+        return ""
+    return (f"; the initial C, moved to {_num(adaptive['clip_norm_final'])} toward the {_num(adaptive['quantile'])} "
+            f"quantile of the units' norms through a noisy count (std {_num(adaptive['count_noise_std'])}), "
+            f"accounted in the noise multiplier; the gradient's own multiplier is "
+            f"{_num(adaptive['gradient_noise_multiplier'])}")

@@ -51,6 +51,11 @@ class GaussianNoise:
             if record is not None:
                 record.append(noise.mul_(std))
 
+    def draw(self, std: float) -> float:
+        """One scalar N(0, std^2) from the same generator (adaptive clipping's count, after the step's gradient
+        noise: checkpointed and, with secret seeds, secret with it)."""
+        return float(torch.randn((), generator=self.generator, device=self.device, dtype=torch.float64)) * float(std)
+
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "std": self.std}
 

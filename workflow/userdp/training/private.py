@@ -53,7 +53,8 @@ class StepStats:
     `loss` (the sampled rows' mean loss), `realised_*` and `clipped_fraction` are noise-free statistics of the
     sampled users: they are NOT covered by the guarantee (the engine writes them only with
     training.debug_step_log); keep them private. `update_norm` and `update_signal_norm` are post-processing of
-    the noisy update (covered).
+    the noisy update (covered). With adaptive clipping (privacy.clipping: adaptive) `clip_norm` is the step's
+    C_t and `unclipped_fraction_noisy` the fraction its noisy count released (covered); None otherwise.
     """
 
     step: int
@@ -67,10 +68,12 @@ class StepStats:
     update_norm: float
     update_signal_norm: float
     seconds: float
+    clip_norm: float | None = None
+    unclipped_fraction_noisy: float | None = None
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> "StepStats":
-        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: row.get(f.name) for f in dataclasses.fields(cls)})
 
 
 def _names(model: torch.nn.Module, params: list[torch.Tensor], limit: int = 4) -> str:

@@ -5,16 +5,17 @@ checkpoint holds (`RunState`), and what a checkpoint must match to be resumed (`
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 
-from ..errors import DataError
+from ..errors import DataError, PrivacyError
 from ..layout import LEDGER, RUN_MODEL, TRAIN_LOG
 from ..privacy import mechanism as privacy_mechanism
+from ..privacy.adaptive import AdaptiveClipping
 from ..privacy.spec import RunSpec
 from . import checkpoint as ckpt
 from . import model_card, step_log
@@ -63,8 +64,11 @@ def run_fingerprint(spec: RunSpec, settings: TrainSettings, device: torch.device
     (TrainSettings.result_settings, with the device type the run uses), the public seeds, and the
     content of the base model and the pool (a rebuilt model or training data must not resume an old run).
     """
+    plan = {k: getattr(spec, k) for k in FINGERPRINT_PLAN_KEYS}
+    if spec.adaptive_clipping is not None:  # only then: other runs' checkpoints keep their fingerprints
+        plan["adaptive_clipping"] = dict(spec.adaptive_clipping)
     return ckpt.fingerprint({
-        "plan": {k: getattr(spec, k) for k in FINGERPRINT_PLAN_KEYS},
+        "plan": plan,
         "settings": settings.result_settings(device=device.type),
         "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
         "sampler": PoissonSampler.SCHEME,
@@ -75,7 +79,11 @@ def run_fingerprint(spec: RunSpec, settings: TrainSettings, device: torch.device
 
 @dataclass
 class StepSums:
-    """Statistics of one step, summed over its micro-batches (and over ranks after `privatize`)."""
+    """Statistics of one step, summed over its micro-batches (and over ranks after `privatize`).
+
+    With adaptive clipping `privatize` also sets the step's clip norm C_t and its released centred count s_t
+    (userdp.privacy.adaptive); `count_noise` is that count's noise, drawn once (rank 0) and summed like the rest.
+    """
 
     loss_sum: float = 0.0
     n_rows: int = 0
@@ -84,6 +92,15 @@ class StepSums:
     norm_sum: float = 0.0  # sum of the units' pre-clip norms (finite ones)
     norm_n: int = 0
     nonfinite_units: int = 0  # units dropped for a NaN/inf gradient (they contributed zero)
+    unclipped: int = 0     # units whose norm is at most C (finite)
+    count_noise: float = 0.0
+    clip_norm: float | None = None
+    released_count: float | None = None
+
+    #: The fields summed over ranks (the rest are set after the sum).
+    SUMMED = ("loss_sum", "n_rows", "n_units", "clipped", "norm_sum", "norm_n", "nonfinite_units", "unclipped",
+              "count_noise")
+    _INTS = ("n_rows", "n_units", "norm_n", "nonfinite_units", "unclipped")
 
     def add(self, stats: MicroBatchStats) -> None:
         """Add one micro-batch's statistics (a gradient source's `accumulate` result)."""
@@ -92,6 +109,7 @@ class StepSums:
         k = int(stats.n_units)
         self.n_units += k
         self.clipped += float(stats.clipped_fraction or 0.0) * k
+        self.unclipped += k - int(round(float(stats.clipped_fraction or 0.0) * k))
         self.nonfinite_units += int(stats.nonfinite_units or 0)
         if stats.unit_norms is not None:
             t = torch.as_tensor(stats.unit_norms).detach().float().reshape(-1)
@@ -102,10 +120,8 @@ class StepSums:
         """The totals over every rank of a data-parallel group (self with one process)."""
         if dist is None or not dist.active:
             return self
-        total = StepSums(*distributed.all_reduce_sums(list(astuple(self)), dist, device))
-        total.n_rows, total.n_units, total.norm_n = int(total.n_rows), int(total.n_units), int(total.norm_n)
-        total.nonfinite_units = int(total.nonfinite_units)
-        return total
+        totals = distributed.all_reduce_sums([getattr(self, k) for k in self.SUMMED], dist, device)
+        return replace(self, **{k: int(v) if k in self._INTS else v for k, v in zip(self.SUMMED, totals)})
 
 
 @dataclass(frozen=True)
@@ -114,8 +130,9 @@ class RunMechanism:
 
     mechanism: privacy_mechanism.Mechanism  # method, q, T, G
     sigma: float           # noise multiplier (0: no noise)
-    clip_norm: float | None  # None: non-private reference (no clipping)
+    clip_norm: float | None  # None: non-private reference (no clipping); adaptive clipping: C_0
     normalize: bool        # normalized clipping C g / ||g||
+    adaptive: AdaptiveClipping | None = None  # adaptive clipping's settings (privacy.adaptive)
 
     @classmethod
     def of(cls, spec: RunSpec, pool: TrainingPool, settings: TrainSettings) -> "RunMechanism":
@@ -126,7 +143,8 @@ class RunMechanism:
         if mech.unit == "users":
             check_uls_fits(mech.group_size, settings.physical_batch_size, settings.uls_examples_per_user)
         clip_norm = None if spec.clip_norm is None else float(spec.clip_norm)
-        return cls(mech, float(spec.noise_multiplier), clip_norm, spec.normalized)
+        return cls(mech, float(spec.noise_multiplier), clip_norm, spec.normalized,
+                   spec.adaptive if spec.private else None)
 
     @property
     def method(self) -> str:
@@ -163,19 +181,38 @@ class RunState:
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Per-unit keyed draws: removing a user changes no other unit's draws (sampling.py)
         self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
-        self.noise = GaussianNoise(mech.sigma, mech.clip_norm, seeds["noise"], device)
+        self.divisor = float(divisor)
+        self.adaptive = mech.adaptive
+        sigma = mech.sigma
+        if self.adaptive is not None:  # the gradient's share of the step's noise (the count gets the rest)
+            try:
+                sigma = self.adaptive.gradient_noise_multiplier(mech.sigma, self.divisor)
+            except PrivacyError as exc:
+                raise DataError(f"{exc} (the plan does not fit this pool's divisor; rebuild the plan)") from None
+        self.noise = GaussianNoise(sigma, mech.clip_norm, seeds["noise"], device)
+        #: The clip norm of the coming step (adaptive clipping moves it after every step; checkpointed).
+        self.clip_norm = mech.clip_norm
         if optimizer is None:  # the pipeline's: training.optimizer, training.schedule
             self.optimizer = make_optimizer(self.params, settings.optimizer, settings.learning_rate)
             self.scheduler = make_scheduler(self.optimizer, settings.schedule, settings.warmup_steps, mech.steps)
         else:  # the caller's own (userdp.make_private): its scheduler, if any, is stepped with it
             self.optimizer, self.scheduler = optimizer, scheduler
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Trainer's AcceleratedOptimizer wraps it
-        if isinstance(inner, AdamBC):  # its noise: the per-coordinate std in the privatised update, sigma C / (q N)
-            inner.bind_noise(self.noise.std / divisor)
+        self._bias_corrected = inner if isinstance(inner, AdamBC) else None
+        self.apply_clip_norm()
         self.private = mech.clip_norm is not None
         self.step, self.examples_processed, self.users_processed = 0, 0, 0
         self.rows: list[dict[str, Any]] = []
         self.resumed_at: list[int] = []
+
+    def apply_clip_norm(self) -> None:
+        """Scale the coming step's noise (and AdamBC's correction) to `clip_norm`: the noise std sigma C, and the
+        per-coordinate std of the privatised update sigma C / (q N) that AdamBC subtracts."""
+        self.noise.clip_norm = self.clip_norm
+        if self._bias_corrected is not None:
+            if self.adaptive is not None:  # its noise follows C_t: the run's binding replaces the last step's
+                self._bias_corrected.noise_std = None
+            self._bias_corrected.bind_noise(self.noise.std / self.divisor)
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The model's state in the checkpoint: all of it, or only the trainable tensors when part of the model
@@ -201,12 +238,16 @@ class RunState:
             "noise": self.noise.state_dict(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "examples_processed": self.examples_processed, "users_processed": self.users_processed,
-            "log": self.rows, "resumed_at": self.resumed_at,
+            "log": self.rows, "resumed_at": self.resumed_at, "clip_norm": self.clip_norm,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a saved run (its resumption step is added to resumed_at)."""
         self._load_model_state(state["model"])
+        self.clip_norm = state.get("clip_norm", self.clip_norm)
+        self.apply_clip_norm()
+        if self.adaptive is not None and self._bias_corrected is not None:
+            self._bias_corrected.noise_std = None  # saved at C_t, the step before C_{t+1}: bound again below
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -220,6 +261,7 @@ class RunState:
         self.users_processed = int(state["users_processed"])
         self.rows = list(state["log"])
         self.resumed_at = list(state["resumed_at"]) + [self.step]
+        self.apply_clip_norm()
 
     def update(self) -> float:
         """Optimizer and LR-schedule step on the privatised p.grad; the learning rate it used."""
@@ -258,8 +300,11 @@ class RunState:
             "nonfinite_units": int(sums.nonfinite_units),
             "seconds": float(seconds),
         }
+        if self.adaptive is not None:  # released: C_t and the noisy unclipped fraction (userdp.privacy.adaptive)
+            row["clip_norm"] = float(sums.clip_norm)
+            row["unclipped_fraction_noisy"] = self.adaptive.noisy_fraction(sums.released_count, self.divisor)
         self.rows.append(row)
         return row
 
     def frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows, columns=LOG_COLUMNS)
+        return pd.DataFrame(self.rows, columns=step_log.log_columns(self.adaptive is not None))

@@ -59,7 +59,8 @@ class StepObservation:
     users with pool.example_user). clipped_sum: per trainable parameter, the sum over all ranks of the
     clipped per-unit gradients, before noise (an extra all-reduce with several processes, only when
     observing). noise: the noise rank 0 added to it (None on other ranks and when sigma or C is 0).
-    nonfinite_units: units dropped for a non-finite gradient.
+    nonfinite_units: units dropped for a non-finite gradient. clip_norm, released_count: with adaptive clipping,
+    the step's clip norm C_t and its released centred count s_t (userdp.privacy.adaptive); None otherwise.
     """
 
     step: int
@@ -67,6 +68,8 @@ class StepObservation:
     clipped_sum: list[torch.Tensor]
     noise: list[torch.Tensor] | None
     nonfinite_units: int
+    clip_norm: float | None = None
+    released_count: float | None = None
 
 
 class StepHook:
@@ -105,7 +108,8 @@ class Observer(StepHook):
         return self._noise
 
     def after_step(self, step, selection, sums) -> None:
-        self.fn(StepObservation(step, selection, self._clipped, self._noise or None, sums.nonfinite_units))
+        self.fn(StepObservation(step, selection, self._clipped, self._noise or None, sums.nonfinite_units,
+                                sums.clip_norm, sums.released_count))
 
 
 def default_gradient_source() -> GradientSourceFactory:
@@ -125,7 +129,8 @@ class DPStep:
                  hook: StepHook | None = None):
         self.ctx, self.grads, self.hook = ctx, grads, hook or StepHook()
         self.mech, self.pool, self.settings, self.dist = ctx.mech, ctx.pool, ctx.settings, ctx.dist
-        self.sampler, self.noise, self.params = state.sampler, state.noise, state.params
+        self.state, self.sampler, self.noise, self.params = state, state.sampler, state.noise, state.params
+        self.adaptive = state.adaptive  # adaptive clipping (userdp.privacy.adaptive), None: a fixed clip norm
         # The divisor, decided once by `divisor_for`: q N, or the plan's public expected batch with DP
         # contribution statistics (no fallback to the pool's exact size here).
         self.expected = float(divisor)
@@ -145,6 +150,9 @@ class DPStep:
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.zero_()
+        if self.adaptive is not None:  # this step's C_t: the clipping, the noise and AdamBC follow it
+            self.state.apply_clip_norm()
+            self.grads.clip_norm = self.state.clip_norm
         sums = StepSums()
         s, device = self.settings, self.ctx.device
         micro_batches = pack_micro_batches(self.pool, sel, s.physical_batch_size, s.sequence_length, self.ctx.pad_id)
@@ -163,12 +171,25 @@ class DPStep:
             # Noise once per step: with several processes rank 0 adds it to its partial sum
             # and the all-reduce below hands every rank the same noisy total.
             self.noise.add_(self.params, record=self.hook.noise_record())
+            if self.adaptive is not None:  # and the count's noise, once, from the same generator
+                sums.count_noise = self.noise.draw(self.adaptive.count_std(self.expected))
         if self.dist is not None and self.dist.active:
             distributed.all_reduce_grads(self.params, self.dist)
         sums = sums.summed_over_ranks(self.dist, self.ctx.device)
         for p in self.params:
             p.grad.div_(self.expected)
+        if self.adaptive is not None:
+            self.release_count(sums)
         return sums
+
+    def release_count(self, sums: StepSums) -> None:
+        """Adaptive clipping: the step's released centred count s_t = sum_u (1[||g_u|| <= C_t] - 1/2) + noise, and
+        the next step's clip norm C_{t+1} from it (post-processing; userdp.privacy.adaptive). A unit dropped for a
+        non-finite gradient counts as clipped. Every rank holds the same totals, so every rank moves C alike."""
+        sums.clip_norm = float(self.state.clip_norm)
+        sums.released_count = sums.unclipped - 0.5 * sums.n_units + sums.count_noise
+        fraction = self.adaptive.noisy_fraction(sums.released_count, self.expected)
+        self.state.clip_norm = self.adaptive.next_clip_norm(sums.clip_norm, fraction)
 
     def __call__(self) -> tuple[StepSelection, StepSums]:
         sel = self.sample()

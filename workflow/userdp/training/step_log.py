@@ -10,6 +10,8 @@ only some of them may leave the run:
   which subtracts the noise's expected squared norm (d noised coordinates)
   and so estimates the norm of the mean clipped gradient. Functions of the
   DP output and public constants: covered by the (epsilon, delta) guarantee.
+  With adaptive clipping also ADAPTIVE_COLUMNS: the step's clip norm and the
+  noisy unclipped fraction it released (accounted with the update).
 - DEBUG_COLUMNS: the batch loss, the realised batch sizes, the clipped
   fraction, the mean clipped-unit norm, the number of units dropped for a
   non-finite gradient (`nonfinite_units`, clipping.py) and the step's wall
@@ -27,6 +29,9 @@ from __future__ import annotations
 import math
 
 GUARANTEED_COLUMNS = ["step", "learning_rate", "update_norm", "update_signal_norm"]
+#: Adaptive clipping's released values (userdp.privacy.adaptive): the step's clip norm C_t and b_t, the noisy
+#: unclipped fraction its count released. Inside the guarantee; only runs with adaptive clipping have them.
+ADAPTIVE_COLUMNS = ["clip_norm", "unclipped_fraction_noisy"]
 DEBUG_COLUMNS = [
     "loss", "realised_examples", "realised_users", "realised_units", "examples_processed", "clipped_fraction",
     "mean_unit_norm", "nonfinite_units", "seconds",
@@ -35,9 +40,15 @@ LOG_COLUMNS = GUARANTEED_COLUMNS + DEBUG_COLUMNS
 KEY = "training.debug_step_log"
 
 
-def released_columns(debug: bool) -> list[str]:
+def log_columns(adaptive: bool = False) -> list[str]:
+    """Every column of a run's log rows (adaptive clipping's after the guaranteed ones)."""
+    return GUARANTEED_COLUMNS + (ADAPTIVE_COLUMNS if adaptive else []) + DEBUG_COLUMNS
+
+
+def released_columns(debug: bool, adaptive: bool = False) -> list[str]:
     """The columns a train log may hold: all of them with `training.debug_step_log`, else the guaranteed ones."""
-    return list(LOG_COLUMNS) if debug else list(GUARANTEED_COLUMNS)
+    guaranteed = GUARANTEED_COLUMNS + (ADAPTIVE_COLUMNS if adaptive else [])
+    return log_columns(adaptive) if debug else guaranteed
 
 
 def signal_norm(update_sq_norm: float, n_coordinates: int, noise_std: float, divisor: float) -> float:
