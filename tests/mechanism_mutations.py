@@ -37,6 +37,22 @@ def noise_halved() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def count_noise_dropped() -> Iterator[None]:
+    """(h) Adaptive clipping releases its count without noise (the draw is made, and not added)."""
+    orig = noise.GaussianNoise.draw
+    with _patched(noise.GaussianNoise, "draw", lambda self, std: 0.0 * orig(self, std)):
+        yield
+
+
+@contextlib.contextmanager
+def count_noise_halved() -> Iterator[None]:
+    """(i) Adaptive clipping's count gets half its noise."""
+    orig = noise.GaussianNoise.draw
+    with _patched(noise.GaussianNoise, "draw", lambda self, std: orig(self, 0.5 * std)):
+        yield
+
+
+@contextlib.contextmanager
 def clipping_skipped_for_one_unit() -> Iterator[None]:
     """(b) In every micro-batch, the first unit (lowest unit id) is not clipped: its factor is 1."""
     orig = clipping.ClippedGradients._clip_factors
@@ -125,6 +141,8 @@ MUTATIONS = {
     "els_accounted_with_g1": els_accounted_with_g1,
     "noise_on_every_rank": noise_on_every_rank,
     "divide_by_realised_size": divide_by_realised_size,
+    "count_noise_dropped": count_noise_dropped,
+    "count_noise_halved": count_noise_halved,
 }
 
 

@@ -325,6 +325,69 @@ def test_config_keys_reach_the_cells():
     assert (c.canaries, c.steps, c.sampling_rate, c.processes) == (64, 3, 0.5, 2)
 
 
+def test_adaptive_clipping_reaches_the_cells_only_when_configured():
+    from userdp.config import validate_config
+
+    assert "adaptive" not in _params() and ma.select_cells(_params())[0].adaptive is None
+    cfg = validate_config({"datasets": {"synth": {"source": "synthetic"}},
+                           "privacy": {"clipping": "adaptive", "adaptive": {"count_noise": 0.5}},
+                           "audit": {"methods": ["uls"], "epsilons": [1]}})
+    c = ma.select_cells(ma.mechanism_params(cfg))[0]
+    assert c.clipping == "adaptive" and c.adaptive == (0.5, 0.2, 0.5)
+    assert c.adaptive_clipping.count_noise == 0.5
+    with pytest.raises(ValueError, match="exactly when clipping is 'adaptive'"):
+        ma.CellSetup(method="uls", epsilon=1.0, canaries=4, group_size=1, sampling_rate=1.0, steps=1, delta=1e-6,
+                     clip_norm=1.0, adaptive=(0.5, 0.2, 0.5))
+
+
+def test_count_check_passes_the_accounted_noise_and_fails_a_dropped_halved_or_shifted_one():
+    rng = np.random.default_rng(0)
+    counts = rng.integers(-5, 5, size=400).astype(float)
+    noise = rng.normal(0.0, 2.0, size=400)
+
+    def check(released):
+        return ma.count_checks({"released_counts": released, "recomputed_counts": counts, "count_noise_std": 2.0})
+
+    honest = check(counts + noise)
+    assert not honest["count_check_failed"] and honest["count_noise_ratio"] == pytest.approx(1.0, abs=0.1)
+    assert check(counts)["count_check_failed"] and check(counts)["count_noise_ratio"] == 0.0
+    assert check(counts + 0.5 * noise)["count_check_failed"]
+    assert check(counts + noise + 1.0)["count_check_failed"]  # a count off by one unit's 1/2 twice over
+
+
+#: Adaptive clipping: small q and 400 steps (C_t crosses the canaries' norms; 400 residuals for the count check),
+#: other users whose norms the audit recomputes by brute force. count_noise 0.5: sigma_b = 1.24 at q N = 2.48.
+ADAPTIVE = dict(SMALL_Q, other_users=50)
+ADAPTIVE_KW = dict(clipping="adaptive", adaptive=(0.5, 0.2, 0.5))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["els", "uls"])
+def test_adaptive_clipping_stays_within_its_claim_and_its_count_is_the_accounted_one(method):
+    """The honest adaptive mechanism over 2 seeds: no bound above the claim, the gradient's noise sigma_g C_t and
+    the count's sigma_b as accounted, the ledger's epsilon the claim; C_t moved across the canaries' norms."""
+    for seed in range(2):
+        r = audited("honest", setup(method, 2.0, ADAPTIVE, seed=seed, **ADAPTIVE_KW))
+        assert not r["bound_exceeds_claim"] and r["epsilon_lower_bound"] <= r["epsilon_claimed"], (seed, r)
+        assert not r["noise_check_failed"] and not r["count_check_failed"], (seed, r)
+        assert r["count_noise_ratio"] == pytest.approx(1.0, abs=0.15)
+        assert r["noise_std_ratio"] == pytest.approx(1.0, abs=0.05)
+        assert 0.0 < r["canaries_clipped"] < 1.0
+        assert r["epsilon_ledger"] == pytest.approx(r["epsilon_claimed"], rel=1e-9)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mutation,ratio", [("count_noise_dropped", 0.0), ("count_noise_halved", 0.5)])
+def test_a_count_without_its_noise_fails_the_count_check(mutation, ratio):
+    """(h), (i): the count released without its noise, or with half of it. The epsilon bound cannot see it (the
+    count is one number shared by every canary, like the realised batch size of (f)); the exact check does."""
+    s = setup("uls", 2.0, ADAPTIVE, **ADAPTIVE_KW)
+    bad = audited(mutation, s)
+    assert bad["count_check_failed"] and bad["noise_check_failed"], bad
+    assert bad["count_noise_ratio"] == pytest.approx(ratio, abs=0.1)
+    assert bad["noise_std_ratio"] == pytest.approx(1.0, abs=0.05)  # the gradient's noise is untouched
+
+
 def test_table_has_the_acceptance_columns_first(tmp_path):
     import pandas as pd
 

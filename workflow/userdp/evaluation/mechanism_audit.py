@@ -41,6 +41,14 @@ Scores (higher = more likely included), from the released updates only:
   by the realised batch size, uninformative (but harmless) for one that
   divides by the public expected size.
 
+Adaptive clipping (`clipping: adaptive`, userdp.privacy.adaptive): the step's
+clip norm C_t is released, so each projection is read in units of C_t with
+amplitude min(||g_i||, C_t) / C_t and the gradient's own noise multiplier
+sigma_g; the released count s_t is checked exactly (`count_checks`) against
+the count the audit recomputes from every sampled unit's brute-force norm:
+the residual must be the count's noise N(0, sigma_b^2), so a mechanism that
+drops (or shrinks) the count's noise, or counts wrongly, fails the check.
+
 The scores become an empirical user-level epsilon with the one-run bound of
 Steinke, Nasr and Jagielski 2023 (`userdp.evaluation.audit`:
 `epsilon_lower_bound`, `guess_sets`, `correct_guesses`) and, where each
@@ -114,8 +122,15 @@ class CellSetup:
     seed: int = 0
     processes: int = 1
     physical_batch_size: int = 64
+    #: clipping "adaptive": (quantile, learning_rate, count_noise) of privacy.adaptive; None otherwise
+    adaptive: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.adaptive is not None:  # a list after a JSON round trip (several processes)
+            object.__setattr__(self, "adaptive", tuple(float(x) for x in self.adaptive))
+        if (self.clipping == "adaptive") != (self.adaptive is not None):
+            raise ValueError(f"clipping {self.clipping!r} with adaptive {self.adaptive}: adaptive clipping's "
+                             "settings are given exactly when clipping is 'adaptive'")
         if self.method not in ("els", "uls"):
             raise ValueError(f"method must be 'els' or 'uls', got {self.method!r}")
         if self.canaries < 2:
@@ -137,6 +152,13 @@ class CellSetup:
     def free_tokens(self) -> np.ndarray:
         start = len(SPECIAL_IDS) + OTHER_TOKENS + self.canaries
         return np.arange(start, start + FREE_TOKENS)
+
+    @property
+    def adaptive_clipping(self):
+        """The `privacy.adaptive.AdaptiveClipping` of an adaptive cell, None otherwise."""
+        from ..privacy.adaptive import KEYS, AdaptiveClipping
+
+        return None if self.adaptive is None else AdaptiveClipping(**dict(zip(KEYS, self.adaptive)))
 
     def unit_law(self) -> tuple[np.ndarray, np.ndarray]:
         """(k, P(k)): how many of an included canary's units a step samples (ELS: Binomial(G, q); ULS: Bernoulli(q))."""
@@ -170,9 +192,15 @@ def calibrate_cell(setup: CellSetup) -> dict[str, float]:
 # ---------------------------------------------------------------- scores
 
 
+def _amp3(amp: np.ndarray) -> np.ndarray:
+    """Amplitudes as [m, 1, 1] (one per canary) or [m, T, 1] (per canary and step: adaptive clipping)."""
+    amp = np.asarray(amp, float)
+    return amp[:, None, None] if amp.ndim == 1 else amp[:, :, None]
+
+
 def _log_mix(y: np.ndarray, amp: np.ndarray, k: np.ndarray, pk: np.ndarray, sigma: float) -> np.ndarray:
-    """log sum_k P(k) exp((k a y - (k a)^2 / 2) / sigma^2) for y [m, T] and per-canary amplitude a [m]."""
-    ka = amp[:, None, None] * k[None, None, :]  # [m, 1, K]
+    """log sum_k P(k) exp((k a y - (k a)^2 / 2) / sigma^2) for y [m, T] and amplitude a [m] or [m, T]."""
+    ka = _amp3(amp) * k[None, None, :]  # [m, 1 or T, K]
     z = (ka * y[:, :, None] - 0.5 * ka ** 2) / sigma ** 2 + np.log(np.maximum(pk, 1e-300))[None, None, :]
     return special.logsumexp(z, axis=2)
 
@@ -206,7 +234,7 @@ def count_aware_scores(y: np.ndarray, counts: np.ndarray, amp: np.ndarray, k: np
         return likelihood_ratio_scores(y, amp, k, pk, sigma)
     lk = np.full((m, T, K), -np.inf)
     kk = k.astype(int)
-    ka = np.asarray(amp, float)[:, None, None] * k[None, None, :]
+    ka = _amp3(amp) * k[None, None, :]
     lterms = (ka * y[:, :, None] - 0.5 * ka ** 2) / sigma ** 2 + np.log(np.maximum(pk, 1e-300))[None, None, :]
     for j, kv in enumerate(kk):  # included: P(k) L(k) at degree k
         if kv < K:
@@ -421,7 +449,49 @@ def run_spec(setup: CellSetup, n_units: int, calibrated: Mapping[str, float]):
                    expected_batch=q * n_units, noise_multiplier=float(calibrated["noise_multiplier"]),
                    epsilon_achieved=float(calibrated["epsilon_claimed"]), clip_norm=float(setup.clip_norm),
                    clipping=setup.clipping, accountant=accounted_mechanism(setup.method, q, setup.steps,
-                                                                           setup.group_size).accountant)
+                                                                           setup.group_size).accountant,
+                   adaptive_clipping=None if setup.adaptive is None else setup.adaptive_clipping.record())
+
+
+def unit_norms(model, pool, setup: CellSetup, canary_grads: np.ndarray) -> np.ndarray:
+    """Every unit's gradient norm (ELS: per pool row; ULS: per pool user), for the adaptive count's check.
+
+    Canary units: their known gradient (`canary_gradients`; a ULS canary's G equal rows average to one row's).
+    Other units: brute force, one backward per row of `training.clipping.row_losses` (the loss the engine
+    clips), a ULS user's rows averaged as the engine weights them (1 / m_u). The learning rate is 0, so each
+    unit's norm is the same at every step.
+    """
+    import torch
+
+    from ..training.clipping import row_losses
+
+    wte = model.transformer.wte.weight
+    canary = np.linalg.norm(np.asarray(canary_grads, float), axis=1)
+
+    def row_grad(r: int) -> torch.Tensor:
+        ids = torch.as_tensor(np.asarray(pool.tokens(r), dtype=np.int64))[None]
+        mask = torch.ones_like(ids)
+        losses, _ = row_losses(model(input_ids=ids, attention_mask=mask).logits, ids, mask)
+        return torch.autograd.grad(losses.sum(), [wte])[0].double()
+
+    def canary_of(u: int) -> int | None:
+        name = pool.user_ids[u]
+        return int(name[len("canary"):]) if name.startswith("canary") else None
+
+    users = range(pool.n_users)
+    if setup.method == "els":
+        rows = range(pool.n_examples)
+        return np.array([canary[c] if (c := canary_of(int(pool.example_user[r]))) is not None
+                         else float(torch.linalg.vector_norm(row_grad(r))) for r in rows])
+    out = []
+    for u in users:
+        c = canary_of(u)
+        if c is not None:
+            out.append(canary[c])
+            continue
+        rows = range(int(pool.user_offsets[u]), int(pool.user_offsets[u + 1]))
+        out.append(float(torch.linalg.vector_norm(sum(row_grad(r) for r in rows) / len(rows))))
+    return np.asarray(out)
 
 
 def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: Mapping[str, Any] | None = None,
@@ -456,10 +526,19 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
     free_rows = torch.as_tensor(setup.free_tokens, dtype=torch.long)
     released: list[np.ndarray] = []
     free: list[np.ndarray] = []
+    # adaptive clipping: per step (C_t, released count s_t, the count the audit recomputes from the unit norms)
+    counts: list[tuple[float, float, float]] = []
+    norms = unit_norms(model, pool, setup, grads) if setup.adaptive is not None else None
 
     def observe(o) -> None:  # the privatised update the step released, as the engine left it in p.grad
         released.append(wte.grad[canary_rows].detach().numpy().copy())
         free.append(wte.grad[free_rows].detach().numpy().copy())
+        if norms is not None:
+            rows = np.asarray(o.selection.rows)
+            units = rows if setup.method == "els" else np.unique(pool.example_user[rows])
+            n = norms[units]
+            counts.append((float(o.clip_norm), float(o.released_count),
+                           float(np.sum(n <= o.clip_norm) - 0.5 * n.size)))
 
     seeds = run_seeds.run_seeds(int(setup.seed), 0, "mechanism-audit", setup.method, fmt(setup.epsilon), 0,
                              setup.group_size)
@@ -475,8 +554,16 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
         return None
     ledger = dp.ledger()
     divisor = float(setup.sampling_rate) * n_units
+    adaptive = None
+    if counts:
+        c = np.asarray(counts, float)
+        adaptive = {"clip_norms": c[:, 0], "released_counts": c[:, 1], "recomputed_counts": c[:, 2],
+                    # what the accounting says they must be (privacy.adaptive), not what the engine used
+                    "gradient_noise_multiplier": setup.adaptive_clipping.gradient_noise_multiplier(
+                        spec.noise_multiplier, divisor),
+                    "count_noise_std": setup.adaptive_clipping.count_std(divisor)}
     return {"included": included, "released": np.stack(released, 1), "free": np.stack(free, 1),
-            "gradients": grads, "divisor": divisor, "n_units": n_units, "ledger": ledger,
+            "gradients": grads, "divisor": divisor, "n_units": n_units, "ledger": ledger, "adaptive": adaptive,
             "other_units": n_units - (int(included.sum()) * (setup.group_size if setup.method == "els" else 1))}
 
 
@@ -499,26 +586,57 @@ def noise_checks(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> dict
     free = np.asarray(run["free"], float)  # [F, T, d]
     d_free = free.shape[0] * free.shape[2]
     T = free.shape[1]
-    C, divisor = float(setup.clip_norm), float(run["divisor"])
-    expected = sigma * C / divisor
+    sigma, C = gradient_noise(setup, sigma, run)
+    divisor = float(run["divisor"])
+    expected = sigma * C / divisor  # [T]
     per_step = np.sqrt((free ** 2).sum(axis=(0, 2)) / d_free)  # measured std per step
-    ratio = float(np.sqrt(np.mean(per_step ** 2)) / expected)
+    ratio = float(np.sqrt(np.mean((per_step / expected) ** 2)))
     div = expected / np.maximum(per_step, 1e-300)  # measured divisor / q N
     tol_all, tol_step = 5 / math.sqrt(2 * d_free * T), 5 / math.sqrt(2 * d_free)
     failed = abs(ratio - 1) > tol_all or bool(np.any(np.abs(div - 1) > tol_step))
-    return {"noise_std_ratio": ratio, "divisor_ratio_min": float(div.min()), "divisor_ratio_max": float(div.max()),
-            "noise_check_failed": bool(failed)}
+    out = {"noise_std_ratio": ratio, "divisor_ratio_min": float(div.min()), "divisor_ratio_max": float(div.max()),
+           "noise_check_failed": bool(failed)}
+    if run.get("adaptive") is not None:
+        out.update(count_checks(run["adaptive"]))
+        out["noise_check_failed"] = bool(failed or out["count_check_failed"])
+    return out
+
+
+def gradient_noise(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> tuple[float, np.ndarray]:
+    """(the gradient's noise multiplier, each step's clip norm [T]): (sigma, C) with a fixed clip norm; with
+    adaptive clipping sigma_g and the released C_t."""
+    T = np.asarray(run["released"]).shape[1]
+    a = run.get("adaptive")
+    if a is None:
+        return float(sigma), np.full(T, float(setup.clip_norm))
+    return float(a["gradient_noise_multiplier"]), np.asarray(a["clip_norms"], float)
+
+
+def count_checks(adaptive: Mapping[str, Any]) -> dict[str, Any]:
+    """Adaptive clipping: the released counts minus the counts the audit recomputes are the count's noise?
+
+    count_noise_ratio: their root mean square over sigma_b (1 as accounted; 0 when the noise is dropped).
+    count_check_failed: the ratio further from 1 than 5 standard errors (1 / sqrt(2 T)), or their mean further
+    from 0 than 5 sigma_b / sqrt(T) (a count that is off). An exact test, like the gradient's noise check.
+    """
+    resid = np.asarray(adaptive["released_counts"], float) - np.asarray(adaptive["recomputed_counts"], float)
+    std, T = float(adaptive["count_noise_std"]), resid.size
+    ratio = float(np.sqrt(np.mean(resid ** 2)) / std)
+    failed = abs(ratio - 1) > 5 / math.sqrt(2 * T) or abs(float(resid.mean())) > 5 * std / math.sqrt(T)
+    return {"count_noise_ratio": ratio, "count_check_failed": bool(failed)}
 
 
 def score_run(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The scores of SCORES from a run's released rows (`train_cell`)."""
-    C = float(setup.clip_norm)
+    """The scores of SCORES from a run's released rows (`train_cell`); with adaptive clipping each step is read
+    at its released C_t, with the gradient's noise multiplier sigma_g."""
+    sigma, C = gradient_noise(setup, sigma, run)  # C: [T]
     g = np.asarray(run["gradients"], float)
     norms = np.linalg.norm(g, axis=1)
     direction = g / np.maximum(norms, 1e-300)[:, None]
-    amp = np.ones_like(norms) if setup.clipping == "normalized" else np.minimum(norms, C) / C
+    amp = (np.ones_like(norms) if setup.clipping == "normalized" else np.minimum(norms, C[0]) / C[0]) \
+        if setup.adaptive is None else np.minimum(norms[:, None], C[None, :]) / C[None, :]
     rel = np.asarray(run["released"], float)  # [m, T, d]
-    proj = np.einsum("mtd,md->mt", rel, direction) / C
+    proj = np.einsum("mtd,md->mt", rel, direction) / C[None, :]
     k, pk = setup.unit_law()
     y_public = proj * float(run["divisor"])
     scores = {"likelihood_ratio": likelihood_ratio_scores(y_public, amp, k, pk, sigma)}
@@ -526,7 +644,7 @@ def score_run(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> dict[st
     free = np.asarray(run["free"], float)  # [F, T, d]
     d_free = free.shape[0] * free.shape[2]
     fnorm = np.sqrt((free ** 2).sum(axis=(0, 2)))
-    measured = sigma * C * math.sqrt(d_free) / np.maximum(fnorm, 1e-300)
+    measured = sigma * C * math.sqrt(d_free) / np.maximum(fnorm, 1e-300)  # [T]
     counts = [int(round(x)) if abs(x - round(x)) < 0.3 else None for x in measured]
     cap = max([c for c in counts if c is not None] + [0]) + 1
     other = stats.binom.pmf(np.arange(cap + 1), int(run["other_units"]), float(setup.sampling_rate))
@@ -554,7 +672,8 @@ def audit_cell(setup: CellSetup, *, settings: Mapping[str, Any] | None = None, d
         "clip_norm": setup.clip_norm, "other_users": setup.other_users, "processes": setup.processes,
         "seed": setup.seed,
         "epsilon_ledger": float(run["ledger"]["epsilon"]) if run.get("ledger") else math.nan,
-        "canaries_clipped": float(np.mean(np.linalg.norm(run["gradients"], axis=1) > setup.clip_norm)),
+        "canaries_clipped": float(np.mean(np.linalg.norm(run["gradients"], axis=1)[:, None]
+                                          > gradient_noise(setup, sigma, run)[1][None, :])),
         **noise_checks(setup, sigma, run),
     }
     row["fdp_bound_exceeds_claim"] = bool(row["epsilon_lower_bound_fdp"] > row["epsilon_claimed"])  # NaN: False
@@ -570,6 +689,7 @@ def mechanism_params(config: Mapping) -> dict[str, Any]:
     """Everything the audit of one dataset reads from the config (rule params; the CLI uses the same)."""
     from ..grid import audit_epsilons
     from ..io import sorted_dict
+    from ..privacy.adaptive import AdaptiveClipping
 
     a = config["audit"]
     mech = dict(a["mechanism"])
@@ -578,6 +698,8 @@ def mechanism_params(config: Mapping) -> dict[str, Any]:
         "methods": list(a["methods"]), "epsilons": audit_epsilons(config), "seed": int(a["seed"]),
         "confidence": float(a["confidence"]), "guess_fractions": [float(f) for f in a["guess_fractions"]],
         "clipping": config["privacy"]["clipping"], "optimizer": t["optimizer"], "schedule": t["schedule"],
+        **({"adaptive": AdaptiveClipping.from_record(config["privacy"].get("adaptive")).record()}
+           if config["privacy"]["clipping"] == "adaptive" else {}),
         **{k: mech[k] for k in ("canaries", "group_size", "sampling_rate", "steps", "delta", "clip_norm",
                                 "other_users", "processes", "physical_batch_size", "example_length")},
     })
@@ -587,6 +709,7 @@ def select_cells(params: Mapping[str, Any], method: str | None = None, epsilon: 
                  ) -> list[CellSetup]:
     """The audited cells (audit.methods x audit.epsilons), or the one named; ConfigError for one not audited."""
     from ..errors import ConfigError
+    from ..privacy.adaptive import KEYS as ADAPTIVE_KEYS
 
     methods, epsilons = list(params["methods"]), [float(e) for e in params["epsilons"]]
     if method is not None and method not in methods:
@@ -607,7 +730,9 @@ def select_cells(params: Mapping[str, Any], method: str | None = None, epsilon: 
                     other_users=int(params["other_users"]), example_length=int(params["example_length"]),
                     clipping=params["clipping"], confidence=float(params["confidence"]),
                     guess_fractions=tuple(params["guess_fractions"]), seed=int(params["seed"]),
-                    processes=int(params["processes"]), physical_batch_size=int(params["physical_batch_size"])))
+                    processes=int(params["processes"]), physical_batch_size=int(params["physical_batch_size"]),
+                    adaptive=None if params.get("adaptive") is None else tuple(params["adaptive"][k]
+                                                                                for k in ADAPTIVE_KEYS)))
     return out
 
 
