@@ -66,9 +66,12 @@ def run_case(name: str, root: Path, dist=None, **kw) -> tuple[torch.Tensor, engi
     if name in ("els", "resume"):
         pool, method = make_pool(2), "els"
         plan, s, source = plan_for(pool, "els", expected=6.0, steps=T, sigma=SIGMA, clip=CLIP), settings(), None
-    elif name == "uls":
+    elif name in ("uls", "uls_adaptive"):
         pool, method = make_pool(3), "uls"
         plan = plan_for(pool, "uls", expected=4.0, steps=T, sigma=SIGMA, clip=CLIP)
+        if name == "uls_adaptive":  # the count's noise drawn once on rank 0, every rank moving C alike
+            plan = plan.replace(clipping="adaptive",
+                                adaptive_clipping={"quantile": 0.5, "learning_rate": 0.5, "count_noise": 0.3})
         s, source = settings(physical_batch_size=4), None
     elif name == "noise":  # zero gradients: the update is the noise alone
         pool, method = make_pool(2), "els"
@@ -92,7 +95,7 @@ def _worker(rank: int, world: int, root: str) -> None:
         ctx = distributed.current_context()  # also checks the engine's auto-detection path
         assert ctx is not None and ctx.world_size == world and ctx.rank == rank
         results = {}
-        for name in ("els", "uls", "noise"):
+        for name in ("els", "uls", "uls_adaptive", "noise"):
             params, out = run_case(name, root / "dist")  # dist=None: detected from the process group
             results[name] = {"params": params, "log": out.log, "ledger": out.ledger, "complete": out.complete}
         params, out = run_case("resume", root / "dist", max_steps=2)
@@ -113,12 +116,12 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
     mp.spawn(_worker, args=(WORLD, str(root)), nprocs=WORLD, join=True)
     ranks = [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    single = {name: run_case(name, root / "single") for name in ("els", "uls", "noise")}
+    single = {name: run_case(name, root / "single") for name in ("els", "uls", "uls_adaptive", "noise")}
     return root, ranks, single
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["els", "uls"])
+@pytest.mark.parametrize("name", ["els", "uls", "uls_adaptive"])
 def test_two_processes_match_one(runs, name):
     root, ranks, single = runs
     ref_params, ref = single[name]
@@ -140,7 +143,12 @@ def test_two_processes_match_one(runs, name):
     log = pd.read_parquet(root / "dist" / name / "train_log.parquet")
     exact = ["step", "realised_examples", "realised_users", "realised_units", "examples_processed", "learning_rate"]
     pd.testing.assert_frame_equal(log[exact], ref.log[exact])
-    for col in ("loss", "clipped_fraction", "mean_unit_norm", "update_norm", "update_signal_norm"):
+    cols = ["loss", "clipped_fraction", "mean_unit_norm", "update_norm", "update_signal_norm"]
+    if name == "uls_adaptive":
+        cols += ["clip_norm", "unclipped_fraction_noisy"]
+        assert ledger["adaptive_clipping"] == ref_ledger["adaptive_clipping"]
+        assert log["clip_norm"].nunique() == T
+    for col in cols:
         np.testing.assert_allclose(log[col], ref.log[col], rtol=1e-10)
     assert log["realised_units"].sum() > T  # several micro-batches per step, so both ranks had work
     assert not (root / "dist" / name / "checkpoint").exists()
