@@ -1,4 +1,5 @@
-"""GPU smoke run: short real DP fine-tuning (ELS, ULS, non-private) through userdp.training.engine.train.
+"""GPU smoke run: short real DP fine-tuning (ELS, ULS, ULS with adaptive clipping, non-private) through
+userdp.training.engine.train.
 
 Not a test (never run by pytest or CI): benchmarks/gpu_check.sh runs it on a
 GPU machine. It exercises the whole training loop as the `finetune` rule
@@ -97,10 +98,11 @@ def nan_epsilon(*args: Any, **kwargs: Any) -> float:
 
 
 def make_plan(method: str, pool: Any, expected: float, steps: int, epsilon: float, delta: float,
-              calibrate: Callable[..., Any] | None, fixed_sigma: float) -> tuple[dict[str, Any], float]:
+              calibrate: Callable[..., Any] | None, fixed_sigma: float, count_noise: float = 0.05
+              ) -> tuple[dict[str, Any], float]:
     """A hand-built plan (the plan.json fields the engine and ledger read); returns (plan, calibration seconds)."""
     private = method != "nonprivate"
-    mech = "els" if method == "nonprivate" else method
+    mech = "els" if method == "nonprivate" else method.split("_")[0]  # els, uls, els_adaptive, uls_adaptive
     n = pool.n_examples if mech == "els" else pool.n_users
     q = expected / n
     if q > 1:
@@ -121,6 +123,9 @@ def make_plan(method: str, pool: Any, expected: float, steps: int, epsilon: floa
         "epsilon_achieved": eps_ach, "compute_budget": None, "accountant": acct,
         "clip_norm": 1.0 if private else None, "clipping": "flat",
     }
+    if method.endswith("_adaptive"):  # privacy.clipping: adaptive, the default privacy.adaptive but count_noise
+        plan.update(clipping="adaptive", adaptive_clipping={"quantile": 0.5, "learning_rate": 0.2,
+                                                             "count_noise": count_noise})
     return plan, seconds
 
 
@@ -156,13 +161,15 @@ def run_one(method: str, args: argparse.Namespace, train: pa.Table, calibrate: C
     n_layer, n_embd, n_head, vocab, seq, batch, expected_ex, _ = SIZES[args.size]
     batch = args.physical_batch or batch
     expected_ex = args.expected_examples or expected_ex
-    G = args.uls_group_size if method == "uls" else args.els_group_size
+    uls = method.startswith("uls")
+    G = args.uls_group_size if uls else args.els_group_size
     pool = build_pool(train, G, seed=7)
     # ULS: expected users per step so that expected examples per step match ELS (as the planner does)
-    expected = expected_ex if method != "uls" else expected_ex / (pool.n_examples / pool.n_users)
+    expected = expected_ex if not uls else expected_ex / (pool.n_examples / pool.n_users)
     # userdp.privacy.planner.default_delta (1 / N^1.1), inlined: the planner imports dp-accounting
     delta = 1.0 / float(n_train_users) ** 1.1
-    plan, cal_s = make_plan(method, pool, expected, args.steps, args.epsilon, delta, calibrate, args.fixed_sigma)
+    plan, cal_s = make_plan(method, pool, expected, args.steps, args.epsilon, delta, calibrate, args.fixed_sigma,
+                            args.count_noise)
     settings = TrainSettings(
         learning_rate=1e-4, optimizer="adam", schedule="constant", warmup_steps=0, physical_batch_size=batch,
         sequence_length=seq, checkpoint_every=10**9, device=args.device,
@@ -185,7 +192,7 @@ def run_one(method: str, args: argparse.Namespace, train: pa.Table, calibrate: C
     shutil.rmtree(run_dir, ignore_errors=True)
     log.info("%s: %.1fM params, G=%d, pool %d examples / %d users, q=%.4g, expected %.1f %s/step, sigma=%.4g",
              method, n_params / 1e6, G, pool.n_examples, pool.n_users, plan["sampling_rate"], expected,
-             "users" if method == "uls" else "examples", plan["noise_multiplier"])
+             "users" if uls else "examples", plan["noise_multiplier"])
     t0 = time.perf_counter()
     out = engine.train(model, pool, plan, settings, run_state.RunPaths(run_dir), seeds, PAD,
                        compute_epsilon=None if calibrate is not None else nan_epsilon)
@@ -229,7 +236,10 @@ def main() -> int:
     ap.add_argument("--size", default="gpt2-medium", choices=sorted(SIZES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--bf16", action="store_true", help="training.precision bf16 (autocast; CUDA only)")
-    ap.add_argument("--methods", default="els,uls,nonprivate", help="comma list of els, uls, nonprivate")
+    ap.add_argument("--methods", default="els,uls,uls_adaptive,nonprivate",
+                    help="comma list of els, uls, els_adaptive, uls_adaptive (privacy.clipping: adaptive), nonprivate")
+    ap.add_argument("--count-noise", type=float, default=0.05,
+                    help="privacy.adaptive.count_noise of the *_adaptive runs (std of the noisy unclipped fraction)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the step-time figures")
     ap.add_argument("--expected-examples", type=int, default=None, help="expected examples per step (size default)")

@@ -213,3 +213,20 @@ def test_make_private_runs_adaptive_clipping_from_privacy_arguments(tmp_path):
     with pytest.raises(Exception, match=r"privacy\.adaptive|adaptive"):
         userdp.PrivacyArguments(method="uls", epsilon=8.0, compute=300, clipping="adaptive",
                                 adaptive={"quantile": 1.5})
+
+
+def test_privacy_adaptive_changes_the_plans_only_under_adaptive_clipping():
+    """Rule plan's `privacy` param: privacy.adaptive is in it only with clipping adaptive (and private cells), so
+    existing plans stay up to date when the key is added or changed under flat clipping."""
+    from userdp.config import validate_config
+    from userdp.privacy.targets import plan_privacy_params
+
+    def params(privacy, eps="1"):
+        cfg = validate_config({"datasets": {"synth": {"source": "synthetic"}}, "privacy": privacy})
+        return plan_privacy_params(cfg, "uls", eps)
+
+    flat = params({})
+    assert "adaptive" not in flat and flat == params({"adaptive": {"quantile": 0.9}})
+    on = params({"clipping": "adaptive", "adaptive": {"quantile": 0.9}})
+    assert on["adaptive"] == {"quantile": 0.9, "learning_rate": 0.2, "count_noise": 0.05}  # schema defaults
+    assert "adaptive" not in params({"clipping": "adaptive"}, eps="inf")
