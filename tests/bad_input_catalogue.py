@@ -625,10 +625,11 @@ def tokenize_job(examples: str = "results/data/mine/examples.parquet") -> Callab
 PLAN = "results/plan/mine/method~els/eps~8/budget~400.json"
 
 
-def plan_job(private_stats: bool = False) -> Callable[[Path], Outcome]:
-    """Rule plan's script for one ELS cell of dataset `mine` (inputs users.parquet and contributions.json)."""
+def plan_job(private_stats: bool = False, privacy: dict | None = None) -> Callable[[Path], Outcome]:
+    """Rule plan's script for one ELS cell of dataset `mine` (inputs users.parquet and contributions.json);
+    `privacy`: further privacy.* keys."""
     config: dict = {"datasets": {"mine": {"source": "synthetic"}}, "grid": {"budgets": [{"compute": 400, "steps": 10}]},
-                    "privacy": {"group_size": {"els": 2}}}
+                    "privacy": {"group_size": {"els": 2}, **(privacy or {})}}
     if private_stats:
         config["privacy"]["contribution_stats"] = {"private": True, "epsilon": 0.1}
 
@@ -786,6 +787,9 @@ CASES: list[Case] = [
                 "grid: {seeds: [0.5]}\n", "config key 'grid.seeds.0' is invalid"),
     config_case("seed-negative", "a negative root seed",
                 "seed: -1\n", "config key 'seed' is invalid"),
+    config_case("adaptive-key-typo", "a misspelt key of adaptive clipping (`privacy.adaptive.quantil`)",
+                "privacy: {clipping: adaptive, adaptive: {quantil: 0.5}}\n",
+                "unknown config key(s) ['quantil'] under 'privacy.adaptive'"),
     config_case("clip-norm-negative", "a negative clipping norm",
                 "privacy: {clip_norm: -1}\n", "config key 'privacy.clip_norm' is invalid"),
     config_case("learning-rate-zero", "a learning rate of 0",
@@ -1285,6 +1289,11 @@ CASES: list[Case] = [
     Case("users-no-train", "artifact", "a users.parquet with no train users", plan_job(), 2,
          "results/data/mine/users.parquet has no users with split == 'train'",
          setup=steps(users_parquet(splits=("validation", "test")), contributions()), absent=(PLAN,)),
+    Case("adaptive-count-noise-too-small", "config", "adaptive clipping whose count noise would spend the whole "
+         "step's budget", plan_job(privacy={"clipping": "adaptive", "adaptive": {"count_noise": 0.001}}), 2,
+         "raise privacy.adaptive.count_noise above",
+         setup=steps(users_parquet(splits=("train",) * 60 + ("validation", "test")), contributions(train=60)),
+         absent=(PLAN,)),
     Case("contributions-truncated", "artifact", "a contributions.json cut off (a full disk)", plan_job(), 2,
          "results/data/mine/contributions.json is not a readable JSON file",
          setup=steps(users_parquet(), write("results/data/mine/contributions.json", '{"dataset": "mine", "n_us')),
