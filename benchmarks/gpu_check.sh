@@ -42,8 +42,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl dp-accounting==0.6.0
 #
-# Without the wheel the check still runs: the smoke run then uses a fixed
-# sigma and reports epsilon as NaN (timings are unaffected).
+# Without the wheel the step benchmarks still run; the smoke run fails (a
+# plan records its dp-accounting event, so even a fixed sigma needs it).
 #
 # CPU dry run of the same code path (tiny model, cpu, 2 steps, fp32), here:
 #
