@@ -245,7 +245,6 @@ class RunState:
         """Continue a saved run (its resumption step is added to resumed_at)."""
         self._load_model_state(state["model"])
         self.clip_norm = state.get("clip_norm", self.clip_norm)
-        self.apply_clip_norm()
         if self.adaptive is not None and self._bias_corrected is not None:
             self._bias_corrected.noise_std = None  # saved at C_t, the step before C_{t+1}: bound again below
         self.optimizer.load_state_dict(state["optimizer"])
