@@ -33,6 +33,7 @@ from scipy import optimize, stats
 import mechanism_mutations as mm
 from userdp.errors import ConfigError
 from userdp.evaluation import mechanism_audit as ma
+from userdp.privacy.adaptive import AdaptiveClipping
 
 torch.set_num_threads(1)
 
@@ -333,11 +334,11 @@ def test_adaptive_clipping_reaches_the_cells_only_when_configured():
                            "privacy": {"clipping": "adaptive", "adaptive": {"count_noise": 0.5}},
                            "audit": {"methods": ["uls"], "epsilons": [1]}})
     c = ma.select_cells(ma.mechanism_params(cfg))[0]
-    assert c.clipping == "adaptive" and c.adaptive == (0.5, 0.2, 0.5)
-    assert c.adaptive_clipping.count_noise == 0.5
+    assert c.clipping == "adaptive" and c.adaptive == AdaptiveClipping(0.5, 0.2, 0.5)
+    assert c.adaptive.count_noise == 0.5
     with pytest.raises(ValueError, match="exactly when clipping is 'adaptive'"):
         ma.CellSetup(method="uls", epsilon=1.0, canaries=4, group_size=1, sampling_rate=1.0, steps=1, delta=1e-6,
-                     clip_norm=1.0, adaptive=(0.5, 0.2, 0.5))
+                     clip_norm=1.0, adaptive=AdaptiveClipping(0.5, 0.2, 0.5))
 
 
 def test_count_check_passes_the_accounted_noise_and_fails_a_dropped_halved_or_shifted_one():
@@ -358,7 +359,7 @@ def test_count_check_passes_the_accounted_noise_and_fails_a_dropped_halved_or_sh
 #: Adaptive clipping: small q and 400 steps (C_t crosses the canaries' norms; 400 residuals for the count check),
 #: other users whose norms the audit recomputes by brute force. count_noise 0.5: sigma_b = 1.24 at q N = 2.48.
 ADAPTIVE = dict(SMALL_Q, other_users=50)
-ADAPTIVE_KW = dict(clipping="adaptive", adaptive=(0.5, 0.2, 0.5))
+ADAPTIVE_KW = dict(clipping="adaptive", adaptive=AdaptiveClipping(0.5, 0.2, 0.5))
 
 
 @pytest.mark.integration

@@ -76,6 +76,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 from scipy import special, stats
 
+from ..privacy.adaptive import ADAPTIVE, AdaptiveClipping, of_config
 from .audit_stats import correct_guesses, epsilon_lower_bound, epsilon_lower_bound_fdp, guess_sets
 
 log = logging.getLogger(__name__)
@@ -122,13 +123,13 @@ class CellSetup:
     seed: int = 0
     processes: int = 1
     physical_batch_size: int = 64
-    #: clipping "adaptive": (quantile, learning_rate, count_noise) of privacy.adaptive; None otherwise
-    adaptive: tuple[float, float, float] | None = None
+    #: clipping "adaptive": privacy.adaptive's settings; None otherwise
+    adaptive: AdaptiveClipping | None = None
 
     def __post_init__(self) -> None:
-        if self.adaptive is not None:  # a list after a JSON round trip (several processes)
-            object.__setattr__(self, "adaptive", tuple(float(x) for x in self.adaptive))
-        if (self.clipping == "adaptive") != (self.adaptive is not None):
+        if isinstance(self.adaptive, Mapping):  # a dict after a JSON round trip (several processes)
+            object.__setattr__(self, "adaptive", AdaptiveClipping.from_record(self.adaptive))
+        if (self.clipping == ADAPTIVE) != (self.adaptive is not None):
             raise ValueError(f"clipping {self.clipping!r} with adaptive {self.adaptive}: adaptive clipping's "
                              "settings are given exactly when clipping is 'adaptive'")
         if self.method not in ("els", "uls"):
@@ -152,13 +153,6 @@ class CellSetup:
     def free_tokens(self) -> np.ndarray:
         start = len(SPECIAL_IDS) + OTHER_TOKENS + self.canaries
         return np.arange(start, start + FREE_TOKENS)
-
-    @property
-    def adaptive_clipping(self):
-        """The `privacy.adaptive.AdaptiveClipping` of an adaptive cell, None otherwise."""
-        from ..privacy.adaptive import KEYS, AdaptiveClipping
-
-        return None if self.adaptive is None else AdaptiveClipping(**dict(zip(KEYS, self.adaptive)))
 
     def unit_law(self) -> tuple[np.ndarray, np.ndarray]:
         """(k, P(k)): how many of an included canary's units a step samples (ELS: Binomial(G, q); ULS: Bernoulli(q))."""
@@ -450,7 +444,7 @@ def run_spec(setup: CellSetup, n_units: int, calibrated: Mapping[str, float]):
                    epsilon_achieved=float(calibrated["epsilon_claimed"]), clip_norm=float(setup.clip_norm),
                    clipping=setup.clipping, accountant=accounted_mechanism(setup.method, q, setup.steps,
                                                                            setup.group_size).accountant,
-                   adaptive_clipping=None if setup.adaptive is None else setup.adaptive_clipping.record())
+                   adaptive_clipping=None if setup.adaptive is None else setup.adaptive.record())
 
 
 def unit_norms(model, pool, setup: CellSetup, canary_grads: np.ndarray) -> np.ndarray:
@@ -478,13 +472,12 @@ def unit_norms(model, pool, setup: CellSetup, canary_grads: np.ndarray) -> np.nd
         name = pool.user_ids[u]
         return int(name[len("canary"):]) if name.startswith("canary") else None
 
-    users = range(pool.n_users)
     if setup.method == "els":
         rows = range(pool.n_examples)
         return np.array([canary[c] if (c := canary_of(int(pool.example_user[r]))) is not None
                          else float(torch.linalg.vector_norm(row_grad(r))) for r in rows])
     out = []
-    for u in users:
+    for u in range(pool.n_users):
         c = canary_of(u)
         if c is not None:
             out.append(canary[c])
@@ -559,9 +552,9 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
         c = np.asarray(counts, float)
         adaptive = {"clip_norms": c[:, 0], "released_counts": c[:, 1], "recomputed_counts": c[:, 2],
                     # what the accounting says they must be (privacy.adaptive), not what the engine used
-                    "gradient_noise_multiplier": setup.adaptive_clipping.gradient_noise_multiplier(
-                        spec.noise_multiplier, divisor),
-                    "count_noise_std": setup.adaptive_clipping.count_std(divisor)}
+                    "gradient_noise_multiplier": setup.adaptive.gradient_noise_multiplier(spec.noise_multiplier,
+                                                                                          divisor),
+                    "count_noise_std": setup.adaptive.count_std(divisor)}
     return {"included": included, "released": np.stack(released, 1), "free": np.stack(free, 1),
             "gradients": grads, "divisor": divisor, "n_units": n_units, "ledger": ledger, "adaptive": adaptive,
             "other_units": n_units - (int(included.sum()) * (setup.group_size if setup.method == "els" else 1))}
@@ -690,7 +683,6 @@ def mechanism_params(config: Mapping) -> dict[str, Any]:
     """Everything the audit of one dataset reads from the config (rule params; the CLI uses the same)."""
     from ..grid import audit_epsilons
     from ..io import sorted_dict
-    from ..privacy.adaptive import AdaptiveClipping
 
     a = config["audit"]
     mech = dict(a["mechanism"])
@@ -699,8 +691,7 @@ def mechanism_params(config: Mapping) -> dict[str, Any]:
         "methods": list(a["methods"]), "epsilons": audit_epsilons(config), "seed": int(a["seed"]),
         "confidence": float(a["confidence"]), "guess_fractions": [float(f) for f in a["guess_fractions"]],
         "clipping": config["privacy"]["clipping"], "optimizer": t["optimizer"], "schedule": t["schedule"],
-        **({"adaptive": AdaptiveClipping.from_record(config["privacy"].get("adaptive")).record()}
-           if config["privacy"]["clipping"] == "adaptive" else {}),
+        **({"adaptive": adaptive.record()} if (adaptive := of_config(config["privacy"])) is not None else {}),
         **{k: mech[k] for k in ("canaries", "group_size", "sampling_rate", "steps", "delta", "clip_norm",
                                 "other_users", "processes", "physical_batch_size", "example_length")},
     })
@@ -710,7 +701,6 @@ def select_cells(params: Mapping[str, Any], method: str | None = None, epsilon: 
                  ) -> list[CellSetup]:
     """The audited cells (audit.methods x audit.epsilons), or the one named; ConfigError for one not audited."""
     from ..errors import ConfigError
-    from ..privacy.adaptive import KEYS as ADAPTIVE_KEYS
 
     methods, epsilons = list(params["methods"]), [float(e) for e in params["epsilons"]]
     if method is not None and method not in methods:
@@ -732,8 +722,8 @@ def select_cells(params: Mapping[str, Any], method: str | None = None, epsilon: 
                     clipping=params["clipping"], confidence=float(params["confidence"]),
                     guess_fractions=tuple(params["guess_fractions"]), seed=int(params["seed"]),
                     processes=int(params["processes"]), physical_batch_size=int(params["physical_batch_size"]),
-                    adaptive=None if params.get("adaptive") is None else tuple(params["adaptive"][k]
-                                                                                for k in ADAPTIVE_KEYS)))
+                    adaptive=None if params.get("adaptive") is None else AdaptiveClipping.from_record(
+                        params["adaptive"])))
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..io import sorted_dict
+from .adaptive import ADAPTIVE
 from .seed_secrecy import secret_seeds  # noqa: F401 (rule contribution_stats_dp's `secret` param)
 
 
@@ -57,7 +58,7 @@ def plan_privacy_params(config: dict, method: str, eps: str, group: str | None =
     out: dict[str, Any] = {k: privacy.get(k) for k in ("delta", "delta_exponent")}
     if private:
         out.update({k: privacy.get(k) for k in ("clip_norm", "clipping")})
-        if privacy.get("clipping") == "adaptive":
+        if privacy.get("clipping") == ADAPTIVE:
             out["adaptive"] = privacy.get("adaptive")
     if private or snr:
         out.update({k: privacy.get(k) for k in ("calibration_tolerance", "max_noise_multiplier")})

@@ -232,7 +232,7 @@ def setup(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: T
     divisor = divisor_for(spec, mech, n_units, mech.rate * n_units)  # q N, the sampler's expected size
     state = RunState(model, mech, pool, settings, seeds, device, optimizer, scheduler, divisor)
     grads = (gradient_source or default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
-    return Run(ctx, state, DPStep(ctx, state, grads, divisor, hook), seeds)
+    return Run(ctx, state, DPStep(ctx, state, grads, hook), seeds)
 
 
 def prepare(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: TrainSettings, paths: RunPaths,

@@ -92,15 +92,13 @@ class StepSums:
     norm_sum: float = 0.0  # sum of the units' pre-clip norms (finite ones)
     norm_n: int = 0
     nonfinite_units: int = 0  # units dropped for a NaN/inf gradient (they contributed zero)
-    unclipped: int = 0     # units whose norm is at most C (finite)
     count_noise: float = 0.0
     clip_norm: float | None = None
     released_count: float | None = None
 
     #: The fields summed over ranks (the rest are set after the sum).
-    SUMMED = ("loss_sum", "n_rows", "n_units", "clipped", "norm_sum", "norm_n", "nonfinite_units", "unclipped",
-              "count_noise")
-    _INTS = ("n_rows", "n_units", "norm_n", "nonfinite_units", "unclipped")
+    SUMMED = ("loss_sum", "n_rows", "n_units", "clipped", "norm_sum", "norm_n", "nonfinite_units", "count_noise")
+    _INTS = ("n_rows", "n_units", "norm_n", "nonfinite_units")
 
     def add(self, stats: MicroBatchStats) -> None:
         """Add one micro-batch's statistics (a gradient source's `accumulate` result)."""
@@ -109,7 +107,6 @@ class StepSums:
         k = int(stats.n_units)
         self.n_units += k
         self.clipped += float(stats.clipped_fraction or 0.0) * k
-        self.unclipped += k - int(round(float(stats.clipped_fraction or 0.0) * k))
         self.nonfinite_units += int(stats.nonfinite_units or 0)
         if stats.unit_norms is not None:
             t = torch.as_tensor(stats.unit_norms).detach().float().reshape(-1)
@@ -181,7 +178,7 @@ class RunState:
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Per-unit keyed draws: removing a user changes no other unit's draws (sampling.py)
         self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
-        self.divisor = float(divisor)
+        self.divisor = float(divisor)  # what the noisy sum is divided by (step.divisor_for); DPStep reads it
         self.adaptive = mech.adaptive
         sigma = mech.sigma
         if self.adaptive is not None:  # the gradient's share of the step's noise (the count gets the rest)

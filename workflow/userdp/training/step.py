@@ -125,15 +125,14 @@ class DPStep:
     of every trainable parameter; the optimizer step is the caller's.
     """
 
-    def __init__(self, ctx: "RunContext", state: "RunState", grads: GradientSource, divisor: float,
-                 hook: StepHook | None = None):
+    def __init__(self, ctx: "RunContext", state: "RunState", grads: GradientSource, hook: StepHook | None = None):
         self.ctx, self.grads, self.hook = ctx, grads, hook or StepHook()
         self.mech, self.pool, self.settings, self.dist = ctx.mech, ctx.pool, ctx.settings, ctx.dist
         self.state, self.sampler, self.noise, self.params = state, state.sampler, state.noise, state.params
         self.adaptive = state.adaptive  # adaptive clipping (userdp.privacy.adaptive), None: a fixed clip norm
-        # The divisor, decided once by `divisor_for`: q N, or the plan's public expected batch with DP
-        # contribution statistics (no fallback to the pool's exact size here).
-        self.expected = float(divisor)
+        # The divisor, decided once by `divisor_for` (the state's): q N, or the plan's public expected batch with
+        # DP contribution statistics (no fallback to the pool's exact size here).
+        self.expected = state.divisor
         self.autocast = autocast_context(ctx.device, ctx.settings.precision)
 
     def sample(self) -> StepSelection:
@@ -187,7 +186,8 @@ class DPStep:
         the next step's clip norm C_{t+1} from it (post-processing; userdp.privacy.adaptive). A unit dropped for a
         non-finite gradient counts as clipped. Every rank holds the same totals, so every rank moves C alike."""
         sums.clip_norm = float(self.state.clip_norm)
-        sums.released_count = sums.unclipped - 0.5 * sums.n_units + sums.count_noise
+        unclipped = sums.n_units - round(sums.clipped)  # `clipped`: the units above C_t (and the non-finite)
+        sums.released_count = unclipped - 0.5 * sums.n_units + sums.count_noise
         fraction = self.adaptive.noisy_fraction(sums.released_count, self.expected)
         self.state.clip_norm = self.adaptive.next_clip_norm(sums.clip_norm, fraction)
 
