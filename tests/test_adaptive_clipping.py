@@ -230,3 +230,44 @@ def test_privacy_adaptive_changes_the_plans_only_under_adaptive_clipping():
     on = params({"clipping": "adaptive", "adaptive": {"quantile": 0.9}})
     assert on["adaptive"] == {"quantile": 0.9, "learning_rate": 0.2, "count_noise": 0.05}  # schema defaults
     assert "adaptive" not in params({"clipping": "adaptive"}, eps="inf")
+
+
+def test_a_checkpoint_of_other_adaptive_settings_is_not_resumed(tmp_path):
+    """The checkpoint key (run_state.fingerprint_plan, also UserDPTrainer's) covers adaptive clipping's settings: a
+    run stopped under one count_noise starts afresh under another, rather than continue its noise and clip norm."""
+    pool = train_pool(30, seed=1)
+    seeds = run_seeds.run_seeds(0, 0, "tiny", "els", "8", 12, 3, 1e-2, secret=False)
+    paths = run_state.RunPaths(tmp_path / "run")
+    first = adaptive_plan(pool, "els", steps=4)
+    other = first.replace(adaptive_clipping={**SETTINGS, "count_noise": 0.3})
+    assert run_state.fingerprint_plan(first) != run_state.fingerprint_plan(other)
+    assert "adaptive_clipping" not in run_state.fingerprint_plan(plan_for(pool, "els", expected=4.0, steps=4))
+    engine.train(tiny_model(seed=2), pool, first, run_settings(), paths, seeds, 0, compute_epsilon=pld_epsilon,
+                 max_steps=2)
+    out = engine.train(tiny_model(seed=2), pool, other, run_settings(), paths, seeds, 0, compute_epsilon=pld_epsilon)
+    assert out.complete and out.ledger["resumed_at_steps"] == []
+    assert out.ledger["adaptive_clipping"]["count_noise"] == 0.3
+
+
+def test_a_gradient_source_without_a_clip_norm_and_a_fixed_adam_bc_noise_are_refused():
+    from train_fixtures import ConstantGradients
+    from userdp.errors import ConfigError
+    from userdp.training.optim import AdamBC
+
+    pool = train_pool(30, seed=1)
+    plan = adaptive_plan(pool, "els")
+    seeds = run_seeds.run_seeds(0, 0, "tiny", "els", "8", 12, 3, 1e-2, secret=False)
+
+    class NoClipNorm:
+        def __init__(self, model, clip_norm, normalize=False):
+            self.inner = ConstantGradients(model, clip_norm)
+
+        def accumulate(self, *a, **k):
+            return self.inner.accumulate(*a, **k)
+
+    with pytest.raises(ConfigError, match="NoClipNorm has no clip_norm attribute"):
+        engine.setup(tiny_model(), pool, plan, run_settings(), None, seeds, 0, gradient_source=NoClipNorm)
+    model = tiny_model()
+    with pytest.raises(ConfigError, match=r"AdamBC\.noise_std is 0\.5"):
+        engine.setup(model, pool, plan, run_settings(), None, seeds, 0,
+                     optimizer=AdamBC(model.parameters(), lr=1e-3, noise_std=0.5))

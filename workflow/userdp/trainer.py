@@ -186,10 +186,10 @@ class UserDPTrainer(Trainer):
     def _state_key(self) -> dict[str, Any]:
         """What a checkpoint's DP state must match: the mechanism and the bounded pool."""
         from .training import checkpoint as ckpt
-        from .training.run_state import FINGERPRINT_PLAN_KEYS
+        from .training.run_state import fingerprint_plan
 
         pool = self._pool
-        return {"plan": {k: getattr(self.spec, k) for k in FINGERPRINT_PLAN_KEYS},
+        return {"plan": fingerprint_plan(self.spec),
                 "pool": ckpt.arrays_digest(*pool.content_arrays())}
 
     def _load_state(self, folder: Path) -> None:

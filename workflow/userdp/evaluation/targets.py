@@ -77,9 +77,9 @@ def random_stopping_runtime(config: Mapping) -> int:
     and resumes where it stopped when rerun.
     """
     from ..privacy.selection import Selection
+    from ..training.targets import run_minutes
 
     sel = Selection.from_config(config["privacy"], config["training"]["learning_rates"])
-    runs = math.ceil(3 * float(sel.mean_runs or 1))
-    return int(runs * (int(config["resources"]["finetune_runtime"]) + int(config["evaluation"]["runtime"])))
+    return math.ceil(3 * float(sel.mean_runs or 1)) * run_minutes(config)
 
 

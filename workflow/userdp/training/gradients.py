@@ -39,9 +39,15 @@ class MicroBatchStats:
 class GradientSource(Protocol):
     """Adds the clipped per-unit gradient sum of a micro-batch into p.grad (rows with unit id -1 are ignored).
 
+    clip_norm: the C it clips at, read at every `accumulate` (adaptive clipping sets it before each step; a source
+    without the attribute is refused for adaptive clipping); clipped_fraction of its result counts the units
+    above it, which adaptive clipping's count releases.
+
     loss_mask [B, L] bool: the tokens that are loss targets (chat and instruction data: the answers); None:
     every token after a row's first. A row's loss is the mean cross-entropy over its targets.
     """
+
+    clip_norm: float | None
 
     def accumulate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, unit_ids: torch.Tensor,
                    row_weights: torch.Tensor, loss_mask: torch.Tensor | None = None) -> MicroBatchStats: ...

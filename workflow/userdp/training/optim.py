@@ -52,16 +52,18 @@ class AdamBC(torch.optim.Optimizer):
             raise ConfigError(f"AdamBC: noise_std is {noise_std}; give sigma * C / (expected batch) >= 0.")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "floor": float(floor)})
         self.noise_std = None if noise_std is None else float(noise_std)
+        self.noise_varies = False  # set by the run under adaptive clipping: the noise then changes every step
 
-    def bind_noise(self, noise_std: float) -> None:
-        """Take the run's per-coordinate update noise (the engine calls this); a different one set before is a
-        ConfigError (the correction would subtract another variance than the noise's)."""
+    def bind_noise(self, noise_std: float, varying: bool = False) -> None:
+        """Take the run's per-coordinate update noise (the engine calls this, every step with `varying`: adaptive
+        clipping); a different one set before, other than by the run itself with `varying`, is a ConfigError (the
+        correction would subtract another variance than the noise's)."""
         noise_std = float(noise_std)
-        if self.noise_std is not None and not _same_noise(self.noise_std, noise_std):
+        if self.noise_std is not None and not self.noise_varies and not _same_noise(self.noise_std, noise_std):
             raise ConfigError(f"AdamBC.noise_std is {self.noise_std}, but the noise in this run's update has "
                               f"standard deviation {noise_std} (sigma C / q N of the plan): leave noise_std unset "
                               "(None) and the run sets it.")
-        self.noise_std = noise_std
+        self.noise_std, self.noise_varies = noise_std, bool(varying)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -97,7 +99,9 @@ class AdamBC(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
         saved = state_dict.pop("noise_std", None)
-        if saved is not None and self.noise_std is not None and not _same_noise(saved, self.noise_std):
+        # a varying noise was saved at the checkpoint's step; the run binds the next step's
+        if saved is not None and self.noise_std is not None and not self.noise_varies \
+                and not _same_noise(saved, self.noise_std):
             raise ConfigError(f"AdamBC: the checkpoint's noise_std {saved} is not this run's {self.noise_std}; "
                               "resume with the same plan.")
         super().load_state_dict(state_dict)

@@ -29,8 +29,6 @@ from .run_seeds import public_seeds
 from .sampling import PoissonSampler
 from .settings import TrainSettings
 
-# The per-step log's columns, and which of them leave the run (training.debug_step_log): step_log.
-LOG_COLUMNS = step_log.LOG_COLUMNS
 # The plan keys that define the mechanism a checkpoint belongs to.
 FINGERPRINT_PLAN_KEYS = ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size",
                          "steps", "delta")
@@ -64,17 +62,23 @@ def run_fingerprint(spec: RunSpec, settings: TrainSettings, device: torch.device
     (TrainSettings.result_settings, with the device type the run uses), the public seeds, and the
     content of the base model and the pool (a rebuilt model or training data must not resume an old run).
     """
-    plan = {k: getattr(spec, k) for k in FINGERPRINT_PLAN_KEYS}
-    if spec.adaptive_clipping is not None:  # only then: other runs' checkpoints keep their fingerprints
-        plan["adaptive_clipping"] = dict(spec.adaptive_clipping)
     return ckpt.fingerprint({
-        "plan": plan,
+        "plan": fingerprint_plan(spec),
         "settings": settings.result_settings(device=device.type),
         "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
         "sampler": PoissonSampler.SCHEME,
         "model": ckpt.model_digest(model),
         "pool": ckpt.arrays_digest(*pool.content_arrays()),
     })
+
+
+def fingerprint_plan(spec: RunSpec) -> dict[str, Any]:
+    """The plan's part of a checkpoint's key (the engine's and UserDPTrainer's): FINGERPRINT_PLAN_KEYS, and adaptive
+    clipping's settings when it runs (only then: other runs' checkpoints keep their keys)."""
+    plan = {k: getattr(spec, k) for k in FINGERPRINT_PLAN_KEYS}
+    if spec.adaptive_clipping is not None:
+        plan["adaptive_clipping"] = dict(spec.adaptive_clipping)
+    return plan
 
 
 @dataclass
@@ -206,10 +210,8 @@ class RunState:
         """Scale the coming step's noise (and AdamBC's correction) to `clip_norm`: the noise std sigma C, and the
         per-coordinate std of the privatised update sigma C / (q N) that AdamBC subtracts."""
         self.noise.clip_norm = self.clip_norm
-        if self._bias_corrected is not None:
-            if self.adaptive is not None:  # its noise follows C_t: the run's binding replaces the last step's
-                self._bias_corrected.noise_std = None
-            self._bias_corrected.bind_noise(self.noise.std / self.divisor)
+        if self._bias_corrected is not None:  # with adaptive clipping its noise follows C_t, step by step
+            self._bias_corrected.bind_noise(self.noise.std / self.divisor, varying=self.adaptive is not None)
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The model's state in the checkpoint: all of it, or only the trainable tensors when part of the model
@@ -242,8 +244,6 @@ class RunState:
         """Continue a saved run (its resumption step is added to resumed_at)."""
         self._load_model_state(state["model"])
         self.clip_norm = state.get("clip_norm", self.clip_norm)
-        if self.adaptive is not None and self._bias_corrected is not None:
-            self._bias_corrected.noise_std = None  # saved at C_t, the step before C_{t+1}: bound again below
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -275,7 +275,7 @@ class RunState:
 
     def record(self, sel: StepSelection, sums: StepSums, lr: float, seconds: float,
                update_norms: tuple[float, float] = (math.nan, math.nan)) -> dict[str, Any]:
-        """Count the finished step and append its log row (LOG_COLUMNS; plain Python values, as the checkpoint
+        """Count the finished step and append its log row (step_log.log_columns; plain Python values, as the checkpoint
         is loaded with weights_only). Every column is kept in memory and in the checkpoint; which of them are
         written out is step_log.released_columns."""
         self.step += 1

@@ -11,7 +11,7 @@ tokens, tokenizer, base model), its wildcards (cell, learning rate) and:
 
 Everything derives from that list: rule finetune's `settings` param
 (targets.finetune_params; the keys a run reads that change no result it
-reads from the config, targets.finetune_untracked), the checkpoint fingerprint of a run
+reads from the config with userdp.untracked), the checkpoint fingerprint of a run
 (`TrainSettings.result_settings`, plus the seeds and digests of the base
 model and the pool in run_state.run_fingerprint), and TrainSettings' fields.
 

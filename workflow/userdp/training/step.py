@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..privacy.spec import RunSpec
 from . import distributed, step_log
 from .batching import StepSelection, pack_micro_batches, select_els, select_uls
@@ -130,6 +130,10 @@ class DPStep:
         self.mech, self.pool, self.settings, self.dist = ctx.mech, ctx.pool, ctx.settings, ctx.dist
         self.state, self.sampler, self.noise, self.params = state, state.sampler, state.noise, state.params
         self.adaptive = state.adaptive  # adaptive clipping (userdp.privacy.adaptive), None: a fixed clip norm
+        if self.adaptive is not None and not hasattr(grads, "clip_norm"):
+            raise ConfigError(f"adaptive clipping moves the clip norm every step, but the gradient source "
+                              f"{type(grads).__name__} has no clip_norm attribute to set (GradientSource): it would "
+                              "keep clipping at C_0 while the noise follows C_t.")
         # The divisor, decided once by `divisor_for` (the state's): q N, or the plan's public expected batch with
         # DP contribution statistics (no fallback to the pool's exact size here).
         self.expected = state.divisor

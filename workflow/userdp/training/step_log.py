@@ -40,15 +40,14 @@ LOG_COLUMNS = GUARANTEED_COLUMNS + DEBUG_COLUMNS
 KEY = "training.debug_step_log"
 
 
-def log_columns(adaptive: bool = False) -> list[str]:
-    """Every column of a run's log rows (adaptive clipping's after the guaranteed ones)."""
-    return GUARANTEED_COLUMNS + (ADAPTIVE_COLUMNS if adaptive else []) + DEBUG_COLUMNS
+def log_columns(adaptive: bool = False, debug: bool = True) -> list[str]:
+    """A run's log columns: the guaranteed ones (adaptive clipping's after them), then the debug ones."""
+    return GUARANTEED_COLUMNS + (ADAPTIVE_COLUMNS if adaptive else []) + (DEBUG_COLUMNS if debug else [])
 
 
 def released_columns(debug: bool, adaptive: bool = False) -> list[str]:
     """The columns a train log may hold: all of them with `training.debug_step_log`, else the guaranteed ones."""
-    guaranteed = GUARANTEED_COLUMNS + (ADAPTIVE_COLUMNS if adaptive else [])
-    return log_columns(adaptive) if debug else guaranteed
+    return log_columns(adaptive, debug)
 
 
 def signal_norm(update_sq_norm: float, n_coordinates: int, noise_std: float, divisor: float) -> float:

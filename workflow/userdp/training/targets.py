@@ -54,8 +54,12 @@ def sweep_runs(outputs: list[str], name: str, learning_rates: list[float]) -> li
 def finetune_runtime(config: dict) -> int:
     """Minutes for one job of rule finetune: resources.finetune_runtime plus evaluation.runtime per learning rate
     it trains and evaluates."""
-    return (int(config["resources"]["finetune_runtime"]) + int(config["evaluation"]["runtime"])) \
-        * rates_per_job(config)
+    return run_minutes(config) * rates_per_job(config)
+
+
+def run_minutes(config: Mapping) -> int:
+    """Minutes for one learning-rate run, trained and evaluated: resources.finetune_runtime + evaluation.runtime."""
+    return int(config["resources"]["finetune_runtime"]) + int(config["evaluation"]["runtime"])
 
 
 
