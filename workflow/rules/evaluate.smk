@@ -10,7 +10,6 @@
 #
 # `evaluation_targets()` (common.smk) lists every file of this stage (for rule all);
 # `snakemake evaluation` builds them and the LM figures (figures.smk).
-import os
 
 import userdp.evaluation.targets as eval_targets
 from userdp.plotting.registry import figure_targets
@@ -34,8 +33,8 @@ rule evaluate_pretrained:
         metrics="results/runs/{dataset}/pretrained/metrics.json",
         users="results/runs/{dataset}/pretrained/users.parquet",
     params:
-        # the local folder of the pretrained model, or the hub name in model.name
-        model=lambda wc, input: os.path.dirname(input.model[0]) if len(input.model) else config["model"]["name"],
+        # the hub name in model.name, or the folder pretraining writes (a recorded param: base_model)
+        model=base_model,
         local_model=not config["model"]["name"],
         **eval_targets.split_params(config, selects=False),
         **_EVAL_PARAMS,

@@ -16,8 +16,6 @@ import scipy.stats
 #: The membership scores (userdp.evaluation.audit.membership_scores); every guess set is tried on each.
 SCORES = ("loss", "likelihood_ratio")
 FPR_TARGET = 0.01
-#: Guess-set sides: "in" only (the k highest scores), or half "in" (highest) and half "out" (lowest).
-SIDES = ("top", "both")
 
 
 # ---------------------------------------------------------------- the one-run bound

@@ -521,7 +521,8 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
     free: list[np.ndarray] = []
     # adaptive clipping: per step (C_t, released count s_t, the count the audit recomputes from the unit norms)
     counts: list[tuple[float, float, float]] = []
-    norms = unit_norms(model, pool, setup, grads) if setup.adaptive is not None else None
+    main = dist is None or not dist.active or dist.is_main  # only rank 0's records are returned
+    norms = unit_norms(model, pool, setup, grads) if setup.adaptive is not None and main else None
 
     def observe(o) -> None:  # the privatised update the step released, as the engine left it in p.grad
         released.append(wte.grad[canary_rows].detach().numpy().copy())
