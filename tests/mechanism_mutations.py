@@ -73,8 +73,8 @@ def accounting_rate_smaller() -> Iterator[None]:
     """(c) The accountant (and so the calibration) is given q / RATE_FACTOR while the sampler runs q."""
     orig = mechanism_audit.accounted_mechanism
 
-    def accounted(method, sampling_rate, steps, group_size):
-        return orig(method, sampling_rate / RATE_FACTOR, steps, group_size)
+    def accounted(method, sampling_rate, steps, group_size, bands=1):
+        return orig(method, sampling_rate / RATE_FACTOR, steps, group_size, bands)
 
     with _patched(mechanism_audit, "accounted_mechanism", accounted):
         yield
@@ -85,8 +85,8 @@ def els_accounted_with_g1() -> Iterator[None]:
     """(d) ELS accounted with G = 1 while every user contributes G > 1 examples."""
     orig = mechanism_audit.accounted_mechanism
 
-    def accounted(method, sampling_rate, steps, group_size):
-        return orig(method, sampling_rate, steps, 1 if method == "els" else group_size)
+    def accounted(method, sampling_rate, steps, group_size, bands=1):
+        return orig(method, sampling_rate, steps, 1 if method == "els" else group_size, bands)
 
     with _patched(mechanism_audit, "accounted_mechanism", accounted):
         yield
@@ -133,6 +133,31 @@ def divide_by_realised_size() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def correlation_dropped() -> Iterator[None]:
+    """(j) Banded DP-FTRL adds independent noise z_t (DP-SGD's) instead of the correlated C^-1 z."""
+    with _patched(noise.BandedNoise, "add_", noise.GaussianNoise.add_):
+        yield
+
+
+#: The column norm the "band_coefficients_unnormalised" mutation leaves the strategy with.
+UNNORMALISED = 1.25
+
+
+@contextlib.contextmanager
+def band_coefficients_unnormalised() -> Iterator[None]:
+    """(k) Banded DP-FTRL's noise uses the strategy's coefficients scaled to column norm UNNORMALISED, not 1: the
+    noise C'^-1 z is 1 / UNNORMALISED of the accounted one (a sensitivity the accountant did not assume)."""
+    orig = noise.BandedNoise.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self.coefficients = [UNNORMALISED * c for c in self.coefficients]
+
+    with _patched(noise.BandedNoise, "__init__", init):
+        yield
+
+
 MUTATIONS = {
     "honest": honest,
     "noise_halved": noise_halved,
@@ -143,6 +168,8 @@ MUTATIONS = {
     "divide_by_realised_size": divide_by_realised_size,
     "count_noise_dropped": count_noise_dropped,
     "count_noise_halved": count_noise_halved,
+    "correlation_dropped": correlation_dropped,
+    "band_coefficients_unnormalised": band_coefficients_unnormalised,
 }
 
 

@@ -425,3 +425,88 @@ def test_an_audit_that_cannot_exceed_the_claim_says_so_before_training(caplog, m
     with caplog.at_level("WARNING"), pytest.raises(pytest.fail.Exception, match="trained"):
         ma.run_audit(params)
     assert "cannot show a bound above the claim" in caplog.text and "50 canaries" in caplog.text
+
+
+# ---------------------------------------------------------------- banded DP-FTRL (privacy.correlated_noise)
+
+
+def test_banded_blocks_read_each_participation_as_one_gaussian():
+    """A canary of partition p takes part at steps p, p + b, ...; whitened and projected on c, each participation is
+    k a ||c|| + N(0, sigma^2), nothing of its other participations (they are b apart)."""
+    from userdp.privacy.banded import bsr_coefficients, strategy_matrix
+
+    rng = np.random.default_rng(0)
+    b, T, m, sigma = 3, 10, 4000, 0.7
+    c = bsr_coefficients(b)
+    inv = np.linalg.inv(strategy_matrix(c, T))
+    parts = rng.integers(0, b, size=m)
+    k = np.zeros((m, T))
+    for t in range(T):
+        k[:, t] = (parts == t % b) & (rng.random(m) < 0.5)
+    amp = np.full((m, T), 0.8)
+    y = k * amp + sigma * rng.normal(size=(m, T)) @ inv.T
+    Y, A = ma.banded_blocks(y, amp, parts, c)
+    assert Y.shape == (m, 4) and np.all(A[parts == 2, 3] == 0)  # partition 2 takes part 3 times in 10 steps
+    for j in range(3):
+        taken = k[np.arange(m), parts + j * b] == 1
+        resid = Y[:, j] - taken * A[:, j]
+        assert abs(resid.std() / sigma - 1) < 0.05 and abs(resid.mean()) < 0.05
+    assert A[parts == 0, 3] == pytest.approx(0.8 * c[0])  # the last participation (step 9) reaches one row only
+
+
+def test_correlation_check_passes_c_inverse_z_and_fails_independent_or_unnormalised_noise():
+    from userdp.privacy.banded import bsr_coefficients, strategy_matrix
+
+    rng = np.random.default_rng(1)
+    s = ma.CellSetup(method="uls", epsilon=2.0, canaries=4, group_size=1, sampling_rate=1.0, steps=40, delta=1e-6,
+                     clip_norm=1.0, bands=4)
+    inv = np.linalg.inv(strategy_matrix(bsr_coefficients(4), 40))
+    z = rng.normal(size=(8, 40, 16))
+    honest = ma.correlation_checks(s, np.einsum("ts,fsd->ftd", inv, z))
+    assert not honest["correlation_check_failed"] and honest["whitened_std_ratio"] == pytest.approx(1.0, abs=0.05)
+    assert ma.correlation_checks(s, z)["correlation_check_failed"]  # independent noise whitens to C z
+    assert ma.correlation_checks(s, np.einsum("ts,fsd->ftd", inv, z) / 1.25)["whitened_std_ratio"] \
+        == pytest.approx(0.8, abs=0.05)
+    with pytest.raises(ValueError, match="ULS only"):
+        ma.CellSetup(method="els", epsilon=2.0, canaries=4, group_size=1, sampling_rate=1.0, steps=4, delta=1e-6,
+                     clip_norm=1.0, bands=2)
+
+
+def test_bands_reach_the_uls_cells_only_when_configured():
+    from userdp.config import validate_config
+
+    assert "bands" not in _params() and ma.select_cells(_params())[0].bands == 1
+    cfg = validate_config({"datasets": {"synth": {"source": "synthetic"}},
+                           "privacy": {"correlated_noise": {"bands": 4}},
+                           "audit": {"methods": ["els", "uls"], "epsilons": [1]}})
+    cells = {c.method: c for c in ma.select_cells(ma.mechanism_params(cfg))}
+    assert cells["uls"].bands == 4 and cells["els"].bands == 1
+
+
+#: Banded DP-FTRL: q = 1 within the partition, 16 steps of b = 4 (4 participations per canary), f-DP bound.
+BANDED = dict(FULL_BATCH, group_size=1, steps=16, other_users=0, bands=4)
+
+
+@pytest.mark.integration
+def test_banded_dp_ftrl_stays_within_its_claim_and_its_noise_is_c_inverse_z():
+    """The honest banded mechanism over 2 seeds: no bound above the claim, the whitened noise i.i.d. at the
+    accounted std, the ledger's epsilon the claim."""
+    for seed in range(2):
+        r = audited("honest", setup("uls", 2.0, BANDED, seed=seed))
+        assert not r["bound_exceeds_claim"] and r["epsilon_lower_bound_fdp"] <= r["epsilon_claimed"], (seed, r)
+        assert not r["noise_check_failed"] and not r["correlation_check_failed"], (seed, r)
+        assert r["noise_std_ratio"] == pytest.approx(1.0, abs=0.05) and r["bands"] == 4
+        assert r["epsilon_ledger"] == pytest.approx(r["epsilon_claimed"], rel=1e-9)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mutation", ["correlation_dropped", "band_coefficients_unnormalised"])
+def test_banded_noise_without_its_correlation_or_with_wrong_bands_fails_the_noise_check(mutation):
+    """(j) independent noise instead of C^-1 z (whitened: correlated at lag 1 by sum c_k c_k+1); (k) the strategy's
+    columns at norm 1.25, i.e. 1 / 1.25 of the accounted noise."""
+    bad = audited(mutation, setup("uls", 2.0, BANDED))
+    assert bad["noise_check_failed"], bad
+    if mutation == "correlation_dropped":
+        assert bad["correlation_check_failed"] and bad["noise_correlation"] > 20
+    else:
+        assert bad["noise_std_ratio"] == pytest.approx(1 / mm.UNNORMALISED, abs=0.03)

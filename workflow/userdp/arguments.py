@@ -31,6 +31,7 @@ class PrivacyArguments:
     group_size: the contribution bound G (default: the method's rule, median for ELS, snr for ULS).
     clip_norm, clipping: privacy.clip_norm (default 1.0) and privacy.clipping ("flat", "normalized" or
     "adaptive"); adaptive: privacy.adaptive (quantile, learning_rate, count_noise) for adaptive clipping.
+    correlated_noise: privacy.correlated_noise (e.g. {"bands": 4}): ULS as user-level DP-FTRL with banded noise.
     secret_seeds: True (the default for user data): the sampling and noise randomness is fresh OS entropy,
     never written; False derives it from `seed` (reproducible; the guarantee then does not hold against
     whoever has the seed).
@@ -46,6 +47,7 @@ class PrivacyArguments:
     clip_norm: float | None = None
     clipping: str | None = None
     adaptive: dict | None = None
+    correlated_noise: dict | None = None
     secret_seeds: bool = True
     seed: int = 0
     messages_column: str | None = None
@@ -69,14 +71,17 @@ class PrivacyArguments:
         self.framing()
         if not isinstance(self.secret_seeds, bool):
             raise ConfigError(f"PrivacyArguments.secret_seeds is {self.secret_seeds!r}; give True or False.")
-        privacy_section(self)  # the schema's checks of delta, clip_norm, clipping, adaptive
+        privacy_section(self)  # the schema's checks of delta, clip_norm, clipping, adaptive, correlated_noise
+        if self.correlated_noise is not None and self.method != "uls":
+            raise ConfigError(f"PrivacyArguments.correlated_noise is set with method {self.method!r}: banded DP-FTRL "
+                              "runs with user-level sampling only; use method='uls' or correlated_noise=None.")
 
 
 def privacy_section(args: PrivacyArguments) -> dict[str, Any]:
     """The privacy.* keys of `args`, validated by the schema (messages name PrivacyArguments' fields)."""
     from .config import run_config
 
-    section = {k: getattr(args, k) for k in ("delta", "clip_norm", "clipping", "adaptive")
+    section = {k: getattr(args, k) for k in ("delta", "clip_norm", "clipping", "adaptive", "correlated_noise")
                if getattr(args, k) is not None}
     return _named(lambda: run_config(privacy=section, source="PrivacyArguments")["privacy"], "privacy",
                   "PrivacyArguments", section)

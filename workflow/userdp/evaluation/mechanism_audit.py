@@ -77,6 +77,7 @@ import numpy as np
 from scipy import special, stats
 
 from ..privacy.adaptive import ADAPTIVE, AdaptiveClipping, of_config
+from ..privacy.banded import marginal_std_factors, whiten
 from .audit_stats import correct_guesses, epsilon_lower_bound, epsilon_lower_bound_fdp, guess_sets
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class CellSetup:
     physical_batch_size: int = 64
     #: clipping "adaptive": privacy.adaptive's settings; None otherwise
     adaptive: AdaptiveClipping | None = None
+    #: ULS as banded DP-FTRL (privacy.correlated_noise.bands; userdp.privacy.banded); 1: DP-SGD
+    bands: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.adaptive, Mapping):  # a dict after a JSON round trip (several processes)
@@ -134,6 +137,8 @@ class CellSetup:
                              "settings are given exactly when clipping is 'adaptive'")
         if self.method not in ("els", "uls"):
             raise ValueError(f"method must be 'els' or 'uls', got {self.method!r}")
+        if int(self.bands) < 1 or (self.bands > 1 and self.method != "uls"):
+            raise ValueError(f"bands is {self.bands} for {self.method}: banded DP-FTRL (bands >= 2) is ULS only")
         if self.canaries < 2:
             raise ValueError(f"need at least 2 canaries, got {self.canaries}")
         if not 0 < self.sampling_rate <= 1:
@@ -154,6 +159,13 @@ class CellSetup:
         start = len(SPECIAL_IDS) + OTHER_TOKENS + self.canaries
         return np.arange(start, start + FREE_TOKENS)
 
+    @property
+    def coefficients(self) -> np.ndarray:
+        """The strategy's band coefficients the accounting assumes ([1.0]: DP-SGD's independent noise)."""
+        from ..privacy.banded import bsr_coefficients
+
+        return bsr_coefficients(self.bands)
+
     def unit_law(self) -> tuple[np.ndarray, np.ndarray]:
         """(k, P(k)): how many of an included canary's units a step samples (ELS: Binomial(G, q); ULS: Bernoulli(q))."""
         from ..privacy.accounting import binomial_sensitivities
@@ -163,10 +175,12 @@ class CellSetup:
         return np.asarray(k, float), np.asarray(p, float)
 
 
-def accounted_mechanism(method: str, sampling_rate: float, steps: int, group_size: int):
+def accounted_mechanism(method: str, sampling_rate: float, steps: int, group_size: int, bands: int = 1):
     """The mechanism the accountant is given for a cell (`privacy.mechanism`; the mutation tests replace it)."""
     from ..privacy import mechanism
 
+    if bands > 1:
+        return mechanism.BandedULS(float(sampling_rate), int(steps), int(group_size), bands=int(bands))
     return mechanism.get(method)(float(sampling_rate), int(steps), int(group_size))
 
 
@@ -178,7 +192,7 @@ def calibrate_cell(setup: CellSetup) -> dict[str, float]:
     """
     from ..privacy.calibration import calibrate
 
-    mech = accounted_mechanism(setup.method, setup.sampling_rate, setup.steps, setup.group_size)
+    mech = accounted_mechanism(setup.method, setup.sampling_rate, setup.steps, setup.group_size, setup.bands)
     result = calibrate(mech, setup.epsilon, setup.delta, cell=f"mechanism audit {setup.method} eps {setup.epsilon:g}")
     return {"noise_multiplier": float(result.noise_multiplier), "epsilon_claimed": float(result.epsilon_achieved)}
 
@@ -440,11 +454,12 @@ def run_spec(setup: CellSetup, n_units: int, calibrated: Mapping[str, float]):
     q = float(setup.sampling_rate)
     return RunSpec(dataset="mechanism-audit", method=setup.method, epsilon=float(setup.epsilon), delta=setup.delta,
                    group_size=setup.group_size, group_size_rule="explicit", sampling_rate=q, steps=setup.steps,
-                   expected_batch=q * n_units, noise_multiplier=float(calibrated["noise_multiplier"]),
+                   expected_batch=q * n_units / setup.bands, noise_multiplier=float(calibrated["noise_multiplier"]),
                    epsilon_achieved=float(calibrated["epsilon_claimed"]), clip_norm=float(setup.clip_norm),
                    clipping=setup.clipping, accountant=accounted_mechanism(setup.method, q, setup.steps,
-                                                                           setup.group_size).accountant,
-                   adaptive_clipping=None if setup.adaptive is None else setup.adaptive.record())
+                                                                           setup.group_size, setup.bands).accountant,
+                   adaptive_clipping=None if setup.adaptive is None else setup.adaptive.record(),
+                   correlated_noise=None if setup.bands == 1 else {"bands": int(setup.bands)})
 
 
 def unit_norms(model, pool, setup: CellSetup, canary_grads: np.ndarray) -> np.ndarray:
@@ -547,7 +562,7 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
     if dist is not None and dist.active and not dist.is_main:
         return None
     ledger = dp.ledger()
-    divisor = float(setup.sampling_rate) * n_units
+    divisor = float(setup.sampling_rate) * n_units / setup.bands
     adaptive = None
     if counts:
         c = np.asarray(counts, float)
@@ -558,7 +573,20 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
                     "count_noise_std": setup.adaptive.count_std(divisor)}
     return {"included": included, "released": np.stack(released, 1), "free": np.stack(free, 1),
             "gradients": grads, "divisor": divisor, "n_units": n_units, "ledger": ledger, "adaptive": adaptive,
+            "partitions": canary_partitions(setup, int(seeds["sampler"])),
             "other_units": n_units - (int(included.sum()) * (setup.group_size if setup.method == "els" else 1))}
+
+
+def canary_partitions(setup: CellSetup, sampler_seed: int) -> np.ndarray:
+    """[m]: each canary's cyclic partition (banded DP-FTRL), recomputed from its id and the sampler's seed, as the
+    adversary of the threat model can (zeros for DP-SGD: every step is every canary's)."""
+    if setup.bands == 1:
+        return np.zeros(setup.canaries, np.int64)
+    from ..seeding import SAMPLE_PERSON, user_hashes
+    from ..training.sampling import cyclic_partitions
+
+    ids = [f"canary{i:06d}" for i in range(setup.canaries)]
+    return cyclic_partitions(user_hashes(ids, sampler_seed, person=SAMPLE_PERSON), setup.bands)
 
 
 def fmt(x: float) -> str:
@@ -583,18 +611,70 @@ def noise_checks(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> dict
     sigma, C = gradient_noise(setup, sigma, run)
     divisor = float(run["divisor"])
     expected = sigma * C / divisor  # [T]
+    if setup.bands > 1:  # banded DP-FTRL: step t's noise has std sigma C ||row t of C^-1|| / divisor
+        expected = expected * marginal_std_factors(setup.coefficients, T)
     per_step = np.sqrt((free ** 2).sum(axis=(0, 2)) / d_free)  # measured std per step
     ratio = float(np.sqrt(np.mean(per_step ** 2)) / expected[0]) if run.get("adaptive") is None \
-        else float(np.sqrt(np.mean((per_step / expected) ** 2)))  # a fixed C: the same float as ever
+        and setup.bands == 1 else float(np.sqrt(np.mean((per_step / expected) ** 2)))  # fixed C: the same float
     div = expected / np.maximum(per_step, 1e-300)  # measured divisor / q N
     tol_all, tol_step = 5 / math.sqrt(2 * d_free * T), 5 / math.sqrt(2 * d_free)
     failed = abs(ratio - 1) > tol_all or bool(np.any(np.abs(div - 1) > tol_step))
     out = {"noise_std_ratio": ratio, "divisor_ratio_min": float(div.min()), "divisor_ratio_max": float(div.max()),
            "noise_check_failed": bool(failed)}
+    if setup.bands > 1:
+        out.update(correlation_checks(setup, free * (divisor / (sigma * C))[None, :, None]))
+        out["noise_std_ratio"] = out.pop("whitened_std_ratio")
+        out["noise_check_failed"] = bool(out["noise_check_failed"] or out["correlation_check_failed"]
+                                         or abs(out["noise_std_ratio"] - 1) > tol_all)
     if run.get("adaptive") is not None:
         out.update(count_checks(run["adaptive"]))
         out["noise_check_failed"] = bool(failed or out["count_check_failed"])
     return out
+
+
+def correlation_checks(setup: CellSetup, noise: np.ndarray) -> dict[str, Any]:
+    """Banded DP-FTRL: the free rows' noise in units of sigma C ([F, T, d], std C^-1 z), whitened by the accounted
+    strategy C, must be z: i.i.d. N(0, 1) over steps.
+
+    whitened_std_ratio: the whitened noise's root mean square (1 as accounted; 1 / zeta when the engine's bands
+    have column norm zeta, a sensitivity the accountant did not assume). noise_correlation: the largest |lag-k
+    autocorrelation| of the whitened noise, k = 1..b-1, in units of its standard error 1 / sqrt(d (T - k)): about
+    N(0, 1) each; far above 5 when the engine's noise is not C^-1 z (independent noise whitens to C z, whose lag-1
+    correlation is sum_k c_k c_{k+1}). correlation_check_failed: that largest value above 5. An exact test, like
+    the gradient's noise check.
+    """
+    white = whiten(noise, setup.coefficients, axis=1)
+    T, d = white.shape[1], white.shape[0] * white.shape[2]
+    worst = 0.0
+    for k in range(1, min(setup.bands, T)):
+        rho = float(np.mean(white[:, k:, :] * white[:, :-k, :]))
+        worst = max(worst, abs(rho) * math.sqrt(d * (T - k)))
+    return {"whitened_std_ratio": float(np.sqrt(np.mean(white ** 2))), "noise_correlation": worst,
+            "correlation_check_failed": bool(worst > 5)}
+
+
+def banded_blocks(y: np.ndarray, amp: np.ndarray, partitions: np.ndarray, coefficients: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Banded DP-FTRL: each canary's releases as one value per participation ([m, ceil(T / b)] each).
+
+    y [m, T]: the canary's projections in units of C (noise sigma w_t, signal k_t a_t); amp [m, T]. Whitened by C,
+    a participation at step s (s = its partition + j b) reaches rows s .. s + b - 1 with the coefficients c and no
+    other participation of the canary reaches them (they are b apart): its projection on c / ||c|| (c cut at T) is
+    k_s a_s ||c|| + N(0, sigma^2), the per-step Gaussian of DP-SGD's score with amplitude a_s ||c||.
+    """
+    c = np.asarray(coefficients, float)
+    b, (m, T) = c.size, y.shape
+    white = whiten(y, c, axis=1)
+    rounds = -(-T // b)
+    Y, A = np.zeros((m, rounds)), np.zeros((m, rounds))  # a round past T: amplitude 0, adds nothing to a score
+    for part in range(b):
+        rows = np.flatnonzero(np.asarray(partitions) == part)
+        for j, s in enumerate(range(part, T, b)):
+            cut = c[: min(b, T - s)]
+            norm = float(np.linalg.norm(cut))
+            Y[rows, j] = white[rows, s:s + cut.size] @ cut / norm
+            A[rows, j] = amp[rows, s] * norm
+    return Y, A
 
 
 def gradient_noise(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> tuple[float, np.ndarray]:
@@ -634,6 +714,10 @@ def score_run(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> dict[st
     proj = np.einsum("mtd,md->mt", rel, direction) / C[None, :]
     k, pk = setup.unit_law()
     y_public = proj * float(run["divisor"])
+    if setup.bands > 1:  # one Gaussian per participation (the divisor is public: no count-aware score)
+        amp_t = np.broadcast_to(np.asarray(amp, float).reshape(len(norms), -1), proj.shape)
+        y_rounds, amp_rounds = banded_blocks(y_public, amp_t, run["partitions"], setup.coefficients)
+        return {"likelihood_ratio": likelihood_ratio_scores(y_rounds, amp_rounds, k, pk, sigma)}
     scores = {"likelihood_ratio": likelihood_ratio_scores(y_public, amp, k, pk, sigma)}
     # The step's divisor, measured in the rows no unit touches (pure noise of std sigma C before the division)
     free = np.asarray(run["free"], float)  # [F, T, d]
@@ -671,6 +755,8 @@ def audit_cell(setup: CellSetup, *, settings: Mapping[str, Any] | None = None, d
                                           > gradient_noise(setup, sigma, run)[1][None, :])),
         **noise_checks(setup, sigma, run),
     }
+    if setup.bands > 1:
+        row["bands"] = int(setup.bands)
     row["fdp_bound_exceeds_claim"] = bool(row["epsilon_lower_bound_fdp"] > row["epsilon_claimed"])  # NaN: False
     row["bound_exceeds_claim"] = bool(row["epsilon_lower_bound"] > row["epsilon_claimed"]
                                       or row["fdp_bound_exceeds_claim"])
@@ -693,6 +779,7 @@ def mechanism_params(config: Mapping) -> dict[str, Any]:
         "confidence": float(a["confidence"]), "guess_fractions": [float(f) for f in a["guess_fractions"]],
         "clipping": config["privacy"]["clipping"], "optimizer": t["optimizer"], "schedule": t["schedule"],
         **({"adaptive": adaptive.record()} if (adaptive := of_config(config["privacy"])) is not None else {}),
+        **({"bands": int(cn["bands"])} if (cn := config["privacy"].get("correlated_noise")) else {}),
         **{k: mech[k] for k in ("canaries", "group_size", "sampling_rate", "steps", "delta", "clip_norm",
                                 "other_users", "processes", "physical_batch_size", "example_length")},
     })
@@ -724,7 +811,7 @@ def select_cells(params: Mapping[str, Any], method: str | None = None, epsilon: 
                     guess_fractions=tuple(params["guess_fractions"]), seed=int(params["seed"]),
                     processes=int(params["processes"]), physical_batch_size=int(params["physical_batch_size"]),
                     adaptive=None if params.get("adaptive") is None else AdaptiveClipping.from_record(
-                        params["adaptive"])))
+                        params["adaptive"]), bands=int(params.get("bands", 1)) if m == "uls" else 1))
     return out
 
 

@@ -37,7 +37,7 @@ import dp_accounting
 from dp_accounting import dp_event as dp_event_lib
 
 from ..errors import PrivacyError
-from . import accounting
+from . import accounting, banded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +145,10 @@ class Mechanism:
         """(mechanism, epsilon, delta) whose mu-GDP approximation gives calibration's first guess."""
         return self, epsilon, delta
 
+    def repeated(self, runs: int) -> "Mechanism":
+        """The mechanism of `runs` independent runs of this one composed (k runs of T steps: k T steps)."""
+        return dataclasses.replace(self, steps=int(self.steps) * int(runs))
+
     def describe(self) -> str:
         return f"{self.name.upper()}, sampling rate {self.sampling_rate:.4g}, {self.steps} steps, G = {self.group_size}"
 
@@ -211,6 +215,50 @@ class ULS(Mechanism):
 
     def log_chi2_step(self, noise_multiplier: float) -> float:
         return _log_chi2_subsampled_gaussian(noise_multiplier, self.sampling_rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class BandedULS(ULS):
+    """ULS as user-level DP-FTRL: b-banded correlated noise, cyclic Poisson sampling (userdp.privacy.banded).
+
+    sampling_rate is p, the rate within the step's partition (about N / b users; expected batch p N / b). The
+    event is amplified BandMF's: ceil(T / b) compositions of the Poisson-subsampled Gaussian at sigma (the
+    strategy's columns have unit norm), i.e. `equivalent`, DP-SGD's ULS at rate p for ceil(T / b) steps.
+    """
+
+    bands: int = 2
+
+    accountant: ClassVar[str] = "pld_poisson_subsampled_gaussian+amplified_bandmf"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.bands, bool) or int(self.bands) != self.bands or self.bands < 2:
+            raise PrivacyError(f"bands is {self.bands!r}; banded DP-FTRL needs a whole number >= 2.")
+
+    @property
+    def equivalent(self) -> ULS:
+        """The DP-SGD mechanism with the same event: ULS at rate p for ceil(T / b) steps."""
+        return ULS(self.sampling_rate, banded.rounds(self.steps, self.bands), 1)
+
+    def dp_event(self, noise_multiplier: float, steps: int | None = None) -> dp_accounting.DpEvent:
+        """ceil(n / b) rounds of the subsampled Gaussian for n steps (a user of partition 0 takes part in steps
+        0, b, 2b, ... < n: ceil(n / b) of them, the most any user does)."""
+        n = self.steps if steps is None else int(steps)
+        return ULS.dp_event(self, noise_multiplier, banded.rounds(n, self.bands))
+
+    def participation_probability(self) -> float | None:
+        return self.equivalent.participation_probability()
+
+    def calibration_target(self, epsilon, delta):
+        return self.equivalent, epsilon, delta
+
+    def repeated(self, runs: int) -> ULS:
+        """k runs compose k ceil(T / b) rounds (not ceil(k T / b): each run starts its own cycle)."""
+        return self if int(runs) == 1 else self.equivalent.repeated(runs)
+
+    def describe(self) -> str:
+        return (f"ULS with {self.bands}-banded DP-FTRL, rate {self.sampling_rate:.4g} within a partition, "
+                f"{self.steps} steps ({banded.rounds(self.steps, self.bands)} per user at most)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +329,11 @@ def get(name: str, *, comparison: bool = False) -> type[Mechanism]:
 
 
 def from_record(record: Mapping[str, Any], steps_key: str = "steps") -> Mechanism:
-    """The mechanism a plan or ledger describes (its method, sampling_rate, steps, group_size)."""
-    return get(record["method"])(float(record["sampling_rate"]), int(record[steps_key]), int(record["group_size"]))
+    """The mechanism a plan or ledger describes (its method, sampling_rate, steps, group_size, correlated_noise)."""
+    args = (float(record["sampling_rate"]), int(record[steps_key]), int(record["group_size"]))
+    if record.get("correlated_noise"):
+        return BandedULS(*args, bands=int(record["correlated_noise"]["bands"]))
+    return get(record["method"])(*args)
 
 
 # ---------------------------------------------------------------- events

@@ -5,7 +5,9 @@ Given K and the step count T configured for the budget (docs/method.md section 5
 * ELS: G by its rule, expected batch B = K / T examples, sampling rate
   q = B / N_G over the bounded pool of N_G examples.
 * ULS: G by its rule (it changes mbar_G, so it comes first), expected cohort
-  M = K / (T * mbar_G) users, q_u = M / N_train_users.
+  M = K / (T * mbar_G) users, q_u = M / N_train_users. With banded DP-FTRL
+  (`privacy.correlated_noise`, private ULS cells) the same M comes from one
+  partition of b: the rate within it is p = b M / N (userdp.privacy.banded).
 
 Then sigma is calibrated to (epsilon, delta). Expected compute, T * q * N_G
 (ELS) or T * q_u * N * mbar_G (ULS), equals K by construction; the plan
@@ -26,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import ConfigError, PrivacyError
-from . import accounting, contribution_stats, mechanism
+from . import accounting, banded, contribution_stats, mechanism
 from . import adaptive as adaptive_lib
 from .calibration import calibrate
 from .contribution_stats import NoisyHistogram
@@ -198,6 +200,12 @@ def plan_cell(
     sizes = planning_sizes(contributions, int(counts.size), G)
     mech, sampling = mechanism.get(method).for_budget(compute_budget, steps, G, sizes.n_users, sizes.n_bounded,
                                                       sizes.mean_bounded, where=cell)
+    correlated = banded.of_config(privacy, method) if private else None
+    if correlated is not None:  # cyclic Poisson sampling: the same expected batch from one partition of b
+        p = sampling.sampling_rate * correlated.bands
+        banded.check_rate(p, correlated.bands, cell)
+        mech = mechanism.BandedULS(p, int(steps), int(G), bands=correlated.bands)
+        sampling = dataclasses.replace(sampling, sampling_rate=p)
     extra = contributions.dp_events
     if private:
         try:
@@ -226,6 +234,8 @@ def plan_cell(
         except PrivacyError as exc:
             raise PrivacyError(f"{cell}: {exc}") from None
         fields["adaptive_clipping"] = adaptive.record()
+    if correlated is not None:
+        fields["correlated_noise"] = correlated.record()
     if table is not None:
         fields["group_size_candidates"] = table
         if not private:

@@ -207,8 +207,7 @@ class RandomStopping(Mechanism):
         return None
 
     def calibration_target(self, epsilon, delta):
-        steps = int(self.base.steps) * max(1, int(math.ceil(self.selection.mean_runs)))
-        return dataclasses.replace(self.base, steps=steps), epsilon, delta
+        return self.base.repeated(max(1, int(math.ceil(self.selection.mean_runs)))), epsilon, delta
 
     def describe(self) -> str:
         return (f"{self.base.describe()}, released by random stopping (mean {self.selection.mean_runs:g} runs, "

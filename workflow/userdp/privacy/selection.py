@@ -174,7 +174,7 @@ class Selection:
             return mech
         if self.mode == "composed":
             # k runs of T steps of one step event compose as k * T steps of it.
-            return dataclasses.replace(mech, steps=int(mech.steps) * int(self.candidates))
+            return mech.repeated(int(self.candidates))
         from .rdp import RandomStopping
 
         return RandomStopping(mech.sampling_rate, mech.steps, mech.group_size, base=mech, selection=self)

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Mapping
 
 from ..errors import DataError, PrivacyError, UserError
 from . import adaptive as adaptive_lib
+from . import banded as banded_lib
 from . import mechanism as mechanism_lib
 from .selection import Selection
 
@@ -43,7 +44,8 @@ _FLOAT, _INT, _STR, _MAP, _LIST = "float", "int", "str", "mapping", "list"
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """One calibrated run of DP-SGD (ELS or ULS): what the planner decided and training must execute.
+    """One calibrated run of DP-SGD (ELS or ULS; ULS also as banded DP-FTRL): what the planner decided and training
+    must execute.
 
     Fields are the plan's (docs/artifacts.md, "Plans"), in its order. Required: the mechanism
     (method, sampling_rate, steps, group_size), its noise (noise_multiplier, clip_norm, clipping),
@@ -88,6 +90,7 @@ class RunSpec:
     median_train: float | None = None
     contribution_counts: str | None = None
     adaptive_clipping: Mapping[str, Any] | None = None
+    correlated_noise: Mapping[str, Any] | None = None
 
     #: Fields every plan file must have (the rest default to None: not recorded). Only clip_norm and clipping
     #: may be null (the non-private reference). A spec built in code gets its dp_event computed.
@@ -98,7 +101,7 @@ class RunSpec:
     #: Left out of the record when None (the planner writes them only when they apply).
     OPTIONAL_IN_RECORD: ClassVar[tuple[str, ...]] = ("contribution_stats", "group_size_candidates",
                                                      "group_size_reference_epsilon", "contribution_counts",
-                                                     "adaptive_clipping")
+                                                     "adaptive_clipping", "correlated_noise")
     _KINDS: ClassVar[dict[str, str]] = {
         "dataset": _STR, "method": _STR, "epsilon": _FLOAT, "delta": _FLOAT, "delta_rule": _STR,
         "group_size": _INT, "group_size_rule": _STR, "sampling_rate": _FLOAT, "steps": _INT,
@@ -110,7 +113,7 @@ class RunSpec:
         "selection": _MAP, "epsilon_target_of": _STR, "epsilon_per_run": _FLOAT, "delta_warning": _STR,
         "group_size_note": _STR, "contribution_stats": _MAP, "group_size_candidates": _LIST,
         "group_size_reference_epsilon": _FLOAT, "median_train": _FLOAT, "contribution_counts": _STR,
-        "adaptive_clipping": _MAP,
+        "adaptive_clipping": _MAP, "correlated_noise": _MAP,
     }
 
     def __post_init__(self) -> None:
@@ -143,6 +146,11 @@ class RunSpec:
                                "settings are recorded exactly when clipping is 'adaptive'.")
         if self.adaptive_clipping is not None:
             adaptive_lib.AdaptiveClipping.from_record(self.adaptive_clipping)
+        if self.correlated_noise is not None:
+            banded_lib.CorrelatedNoise.from_record(self.correlated_noise)
+            if self.method != "uls" or self.noise_multiplier == 0:
+                raise PrivacyError(f"correlated_noise is recorded for a {self.method} plan with noise_multiplier "
+                                   f"{self.noise_multiplier}: banded DP-FTRL runs only in private ULS plans.")
         if not self.expected_batch >= 0:
             raise PrivacyError(f"expected_batch is {self.expected_batch}; it must be >= 0.")
         if math.isinf(self.epsilon) != (self.noise_multiplier == 0):
@@ -164,7 +172,10 @@ class RunSpec:
     @property
     def mechanism(self) -> mechanism_lib.Mechanism:
         """The sampling mechanism (method, q, T, G) as the typed object of `privacy.mechanism`."""
-        return mechanism_lib.get(self.method)(float(self.sampling_rate), int(self.steps), int(self.group_size))
+        args = (float(self.sampling_rate), int(self.steps), int(self.group_size))
+        if self.correlated_noise is not None:
+            return mechanism_lib.BandedULS(*args, bands=int(self.correlated_noise["bands"]))
+        return mechanism_lib.get(self.method)(*args)
 
     @property
     def event(self) -> Any:
@@ -191,6 +202,13 @@ class RunSpec:
         if self.adaptive_clipping is None:
             return None
         return adaptive_lib.AdaptiveClipping.from_record(self.adaptive_clipping)
+
+    @property
+    def banded(self) -> banded_lib.CorrelatedNoise | None:
+        """Banded DP-FTRL's strategy (userdp.privacy.banded), None for DP-SGD's independent noise."""
+        if self.correlated_noise is None:
+            return None
+        return banded_lib.CorrelatedNoise.from_record(self.correlated_noise)
 
     @property
     def sizes_from_release(self) -> bool:

@@ -37,7 +37,7 @@ def plan_privacy_params(config: dict, method: str, eps: str, group: str | None =
 
     - delta, delta_exponent: every cell (delta is in every plan and ledger);
     - clip_norm, clipping: private cells only (eps~inf plans have no clipping);
-      adaptive: only when clipping is "adaptive";
+      adaptive: only when clipping is "adaptive"; correlated_noise: only in ULS cells, when set;
     - calibration_tolerance, max_noise_multiplier: private cells, and cells whose
       G comes from the SNR rule (it calibrates sigma for each candidate G);
     - group_size: only this method's rule (plus snr_* when it is "snr"), and
@@ -60,6 +60,8 @@ def plan_privacy_params(config: dict, method: str, eps: str, group: str | None =
         out.update({k: privacy.get(k) for k in ("clip_norm", "clipping")})
         if privacy.get("clipping") == ADAPTIVE:
             out["adaptive"] = privacy.get("adaptive")
+        if method == "uls" and privacy.get("correlated_noise") is not None:
+            out["correlated_noise"] = privacy.get("correlated_noise")
     if private or snr:
         out.update({k: privacy.get(k) for k in ("calibration_tolerance", "max_noise_multiplier")})
     if not explicit:

@@ -229,7 +229,7 @@ def setup(model: torch.nn.Module, pool: TrainingPool, spec: RunSpec, settings: T
         seeds = draw_secret_seeds(seeds, dist, device)
     ctx = RunContext(spec, mech, pool, settings, paths, pad_id, device, dist)
     n_units = mech.n_units(pool)
-    divisor = divisor_for(spec, mech, n_units, mech.rate * n_units)  # q N, the sampler's expected size
+    divisor = divisor_for(spec, mech, n_units, mech.expected_batch(pool))  # q N (p N / b), the sampler's expected size
     state = RunState(model, mech, pool, settings, seeds, device, optimizer, scheduler, divisor)
     grads = (gradient_source or default_gradient_source())(model, mech.clip_norm, normalize=mech.normalize)
     return Run(ctx, state, DPStep(ctx, state, grads, hook), seeds)

@@ -191,6 +191,13 @@ def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., floa
         # noise_multiplier above is the accounted sigma of gradient and count together; the gradient's own
         # (larger) multiplier and the count's noise are here (userdp.privacy.adaptive)
         ledger["adaptive_clipping"] = dict(facts.adaptive_clipping)
+    if spec.correlated_noise is not None:  # only banded DP-FTRL's runs (userdp.privacy.banded)
+        from ..privacy.banded import rounds
+
+        cn = spec.banded
+        ledger["correlated_noise"] = {**cn.record(), "coefficients": [float(c) for c in cn.coefficients],
+                                      "rounds_per_user": rounds(facts.steps_completed, cn.bands),
+                                      "sampling": f"cyclic Poisson over {cn.bands} partitions of the users"}
     if facts.loss_tokens is not None:  # only chat and instruction runs: text runs' ledgers are as they were
         ledger["loss_tokens"] = facts.loss_tokens
     return ledger

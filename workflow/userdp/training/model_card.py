@@ -76,7 +76,8 @@ def card_facts(ledger: Mapping[str, Any], audit: Mapping[str, Any] | None = None
         "delta": float(ledger["delta"]),
         "privacy_unit": "all examples of one user (user-level DP)",
         "method": method,
-        "method_name": METHOD_NAMES.get(method, method),
+        "method_name": (METHOD_NAMES.get(method, method) if not ledger.get("correlated_noise") else
+                        "DP-FTRL with banded correlated noise and user-level sampling (ULS)"),
         "sampled_unit": SAMPLED_UNIT.get(method, method),
         "group_size": int(ledger["group_size"]),
         "sampling_rate": float(ledger["sampling_rate"]),
@@ -87,6 +88,7 @@ def card_facts(ledger: Mapping[str, Any], audit: Mapping[str, Any] | None = None
         "clip_norm": ledger.get("clip_norm"),
         "clipping": ledger.get("clipping"),
         "adaptive_clipping": ledger.get("adaptive_clipping"),
+        "correlated_noise": ledger.get("correlated_noise"),
         "accountant": ledger.get("accountant"),
         "expected_batch": ledger.get("expected_batch"),
         "epsilon_meaning": ledger.get("epsilon_meaning"),
@@ -153,10 +155,9 @@ def render(ledger: Mapping[str, Any], *, title: str | None = None, audit: Mappin
             f"| delta | {_num(f['delta'], 3)} |",
             f"| method | {f['method_name']} |",
             f"| contribution bound G | {f['group_size']} example{'s' if f['group_size'] != 1 else ''} per user |",
-            f"| sampling | Poisson, each {f['sampled_unit']} included with probability {_num(f['sampling_rate'])} "
-            "per step |",
+            f"| sampling | {_sampling_text(f)} |",
             f"| steps | {f['steps']} (planned {f['steps_planned']}) |",
-            f"| noise multiplier | {_num(f['noise_multiplier'])} |",
+            f"| noise multiplier | {_num(f['noise_multiplier'])}{_correlated_text(f['correlated_noise'])} |",
             f"| clip norm | {_num(f['clip_norm'])} ({f['clipping'] or 'no'} clipping, per "
             f"{'user' if f['method'] == 'uls' else 'example'}"
             f"{_adaptive_text(f['adaptive_clipping'])}) |",
@@ -210,6 +211,23 @@ def write_card(folder: str | os.PathLike, ledger: Mapping[str, Any], *, title: s
     path = Path(folder) / CARD
     write_text(path, render(ledger, title=title, audit=audit))
     return path
+
+
+def _sampling_text(f: Mapping[str, Any]) -> str:
+    """How units were sampled: Poisson, or cyclic Poisson over banded DP-FTRL's partitions."""
+    cn = f.get("correlated_noise")
+    if not cn:
+        return (f"Poisson, each {f['sampled_unit']} included with probability {_num(f['sampling_rate'])} per step")
+    return (f"cyclic Poisson: users split into {cn['bands']} partitions by a keyed hash; step t samples partition "
+            f"t mod {cn['bands']}, each of its users with probability {_num(f['sampling_rate'])}")
+
+
+def _correlated_text(cn: Mapping[str, Any] | None) -> str:
+    """Banded DP-FTRL's noise: correlated across steps (userdp.privacy.banded)."""
+    if not cn:
+        return ""
+    return (f", correlated across steps: DP-FTRL with {cn['bands']}-banded noise ({cn['strategy']}, column norm 1; "
+            f"each user takes part in at most {cn['rounds_per_user']} steps, one per {cn['bands']})")
 
 
 def _adaptive_text(adaptive: dict | None) -> str:

@@ -35,6 +35,16 @@ class GaussianNoise:
             return 0.0
         return self.noise_multiplier * float(self.clip_norm)
 
+    @property
+    def marginal_std(self) -> float:
+        """The std of each coordinate of the coming step's noise (= std; banded noise: larger, see BandedNoise)."""
+        return self.std
+
+    @property
+    def added_std(self) -> float:
+        """The std of each coordinate of the noise the last `add_` drew (= std here)."""
+        return self.std
+
     def add_(self, params: Iterable[torch.nn.Parameter], record: list[torch.Tensor] | None = None) -> None:
         """Add fresh noise to `p.grad` of every parameter (grads must exist).
 
@@ -61,3 +71,80 @@ class GaussianNoise:
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"].cpu() if hasattr(state["generator"], "cpu") else state["generator"])
+
+
+class BandedNoise(GaussianNoise):
+    """Banded DP-FTRL's correlated noise (userdp.privacy.banded): step t adds std * w_t to each coordinate, with
+
+        w_t = (z_t - sum_{k=1}^{b-1} c_k w_{t-k}) / c_0,   z_t ~ N(0, I) from the same generator as GaussianNoise,
+
+    i.e. the noise sequence is std * C^-1 z for the b-banded Toeplitz strategy C. The b - 1 previous w's of every
+    trainable coordinate are kept (`buffers`, float32 on the noise's device, in the checkpoint: they are as secret
+    as the generator). std follows the clip norm of the step (adaptive clipping), w does not depend on it.
+    """
+
+    def __init__(self, noise_multiplier: float, clip_norm: float | None, seed: int, coefficients,
+                 device: torch.device | str = "cpu"):
+        super().__init__(noise_multiplier, clip_norm, seed, device)
+        self.coefficients = [float(c) for c in coefficients]
+        self.buffers: list[list[torch.Tensor]] = []  # newest first: buffers[k - 1] holds w_{t-k}, per parameter
+        self.steps_drawn = 0
+        #: ||row t of C^-1|| for the coming step t (the marginal std over std); updated as steps are drawn
+        self._row_sq = 0.0
+        self._first_column: list[float] = []
+
+    @property
+    def marginal_std(self) -> float:
+        return self.std * self._next_row_norm()
+
+    @property
+    def added_std(self) -> float:
+        return self.std * self._row_sq ** 0.5
+
+    def _next_entry(self) -> float:
+        """Entry t of C^-1's first column (C^-1 is Toeplitz too), t the coming step."""
+        c, col, t = self.coefficients, self._first_column, len(self._first_column)
+        return ((1.0 if t == 0 else 0.0) - sum(c[k] * col[t - k] for k in range(1, min(t, len(c) - 1) + 1))) / c[0]
+
+    def _next_row_norm(self) -> float:
+        return (self._row_sq + self._next_entry() ** 2) ** 0.5
+
+    def _advance_row(self) -> None:
+        r = self._next_entry()
+        self._first_column.append(r)
+        self._row_sq += r * r
+
+    def add_(self, params: Iterable[torch.nn.Parameter], record: list[torch.Tensor] | None = None) -> None:
+        std = self.std
+        if std == 0.0:
+            return
+        c = self.coefficients
+        fresh: list[torch.Tensor] = []
+        for i, p in enumerate(params):
+            w = torch.randn(p.shape, generator=self.generator, device=self.device, dtype=torch.float32)
+            for k, buf in enumerate(self.buffers[: len(c) - 1], start=1):
+                w.sub_(buf[i], alpha=c[k])
+            w.div_(c[0])
+            fresh.append(w)
+            noise = w.to(device=p.grad.device, dtype=p.grad.dtype)
+            p.grad.add_(noise, alpha=std)
+            if record is not None:
+                record.append(noise.mul(std))  # out of place: `noise` may be the buffer itself
+        if len(c) > 1:
+            self.buffers = [fresh] + self.buffers[: len(c) - 2]
+        self.steps_drawn += 1
+        self._advance_row()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "buffers": [[b.cpu() for b in step] for step in self.buffers],
+                "steps_drawn": self.steps_drawn, "coefficients": list(self.coefficients)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if [float(c) for c in state.get("coefficients", [])] != self.coefficients:
+            raise ValueError("noise state belongs to another strategy (its band coefficients differ)")
+        super().load_state_dict(state)
+        self.buffers = [[b.to(self.device) for b in step] for step in state["buffers"]]
+        self.steps_drawn, self._first_column, self._row_sq = 0, [], 0.0
+        for _ in range(int(state["steps_drawn"])):
+            self._advance_row()
+        self.steps_drawn = int(state["steps_drawn"])

@@ -16,17 +16,18 @@ from ..errors import DataError, PrivacyError
 from ..layout import LEDGER, RUN_MODEL, TRAIN_LOG
 from ..privacy import mechanism as privacy_mechanism
 from ..privacy.adaptive import AdaptiveClipping
+from ..privacy.banded import CorrelatedNoise
 from ..privacy.spec import RunSpec
 from . import checkpoint as ckpt
 from . import model_card, step_log
 from . import distributed
 from .batching import StepSelection, check_uls_fits
 from .gradients import MicroBatchStats
-from .noise import GaussianNoise
+from .noise import BandedNoise, GaussianNoise
 from .optim import AdamBC, make_optimizer, make_scheduler
 from .pool import TrainingPool
 from .run_seeds import public_seeds
-from .sampling import PoissonSampler
+from .sampling import CyclicPoissonSampler, PoissonSampler
 from .settings import TrainSettings
 
 # The plan keys that define the mechanism a checkpoint belongs to.
@@ -74,10 +75,12 @@ def run_fingerprint(spec: RunSpec, settings: TrainSettings, device: torch.device
 
 def fingerprint_plan(spec: RunSpec) -> dict[str, Any]:
     """The plan's part of a checkpoint's key (the engine's and UserDPTrainer's): FINGERPRINT_PLAN_KEYS, and adaptive
-    clipping's settings when it runs (only then: other runs' checkpoints keep their keys)."""
+    clipping's and banded DP-FTRL's settings when they run (only then: other runs' checkpoints keep their keys)."""
     plan = {k: getattr(spec, k) for k in FINGERPRINT_PLAN_KEYS}
     if spec.adaptive_clipping is not None:
         plan["adaptive_clipping"] = dict(spec.adaptive_clipping)
+    if spec.correlated_noise is not None:
+        plan["correlated_noise"] = dict(spec.correlated_noise)
     return plan
 
 
@@ -134,6 +137,7 @@ class RunMechanism:
     clip_norm: float | None  # None: non-private reference (no clipping); adaptive clipping: C_0
     normalize: bool        # normalized clipping C g / ||g||
     adaptive: AdaptiveClipping | None = None  # adaptive clipping's settings (privacy.adaptive)
+    banded: CorrelatedNoise | None = None  # banded DP-FTRL (privacy.correlated_noise): cyclic sampling, b bands
 
     @classmethod
     def of(cls, spec: RunSpec, pool: TrainingPool, settings: TrainSettings) -> "RunMechanism":
@@ -145,7 +149,7 @@ class RunMechanism:
             check_uls_fits(mech.group_size, settings.physical_batch_size, settings.uls_examples_per_user)
         clip_norm = None if spec.clip_norm is None else float(spec.clip_norm)
         return cls(mech, float(spec.noise_multiplier), clip_norm, spec.normalized,
-                   spec.adaptive if spec.private else None)
+                   spec.adaptive if spec.private else None, spec.banded)
 
     @property
     def method(self) -> str:
@@ -171,6 +175,10 @@ class RunMechanism:
         """N: the number of units the sampler draws from (bounded examples or train users)."""
         return pool.n_examples if self.unit_name == "examples" else pool.n_users
 
+    def expected_batch(self, pool: TrainingPool) -> float:
+        """The sampler's expected size: q N, or p N / b with banded DP-FTRL's cyclic sampling."""
+        return self.rate * self.n_units(pool) / (1 if self.banded is None else self.banded.bands)
+
 
 class RunState:
     """Everything a run carries from step to step; `state_dict` is what its checkpoint holds."""
@@ -181,7 +189,12 @@ class RunState:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Per-unit keyed draws: removing a user changes no other unit's draws (sampling.py)
-        self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
+        self.banded = mech.banded  # banded DP-FTRL (userdp.privacy.banded), None: DP-SGD's independent noise
+        if self.banded is None:
+            self.sampler = PoissonSampler.for_pool(pool, mech.unit_name, mech.rate, seeds["sampler"])
+        else:
+            self.banded.check_fits(sum(p.numel() for p in self.params), settings.max_noise_buffers_gb)
+            self.sampler = CyclicPoissonSampler(pool.user_ids, mech.rate, seeds["sampler"], self.banded.bands)
         self.divisor = float(divisor)  # what the noisy sum is divided by (step.divisor_for); DPStep reads it
         self.adaptive = mech.adaptive
         sigma = mech.sigma
@@ -190,7 +203,8 @@ class RunState:
                 sigma = self.adaptive.gradient_noise_multiplier(mech.sigma, self.divisor)
             except PrivacyError as exc:
                 raise DataError(f"{exc} (the plan does not fit this pool's divisor; rebuild the plan)") from None
-        self.noise = GaussianNoise(sigma, mech.clip_norm, seeds["noise"], device)
+        self.noise = (GaussianNoise(sigma, mech.clip_norm, seeds["noise"], device) if self.banded is None else
+                      BandedNoise(sigma, mech.clip_norm, seeds["noise"], self.banded.coefficients, device))
         #: The clip norm of the coming step (adaptive clipping moves it after every step; checkpointed).
         self.clip_norm = mech.clip_norm
         if optimizer is None:  # the pipeline's: training.optimizer, training.schedule
@@ -206,12 +220,19 @@ class RunState:
         self.rows: list[dict[str, Any]] = []
         self.resumed_at: list[int] = []
 
+    @property
+    def noise_varies(self) -> bool:
+        """Whether the update's noise std changes from step to step (adaptive clipping's C_t; banded noise's
+        marginal std grows over the first steps): the step then calls `apply_clip_norm` every time."""
+        return self.adaptive is not None or self.banded is not None
+
     def apply_clip_norm(self) -> None:
         """Scale the coming step's noise (and AdamBC's correction) to `clip_norm`: the noise std sigma C, and the
-        per-coordinate std of the privatised update sigma C / (q N) that AdamBC subtracts."""
+        per-coordinate std of the privatised update sigma C / (q N) that AdamBC subtracts (banded noise: its
+        marginal std, sigma C ||row t of C^-1|| / m)."""
         self.noise.clip_norm = self.clip_norm
         if self._bias_corrected is not None:  # with adaptive clipping its noise follows C_t, step by step
-            self._bias_corrected.bind_noise(self.noise.std / self.divisor, varying=self.adaptive is not None)
+            self._bias_corrected.bind_noise(self.noise.marginal_std / self.divisor, varying=self.noise_varies)
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The model's state in the checkpoint: all of it, or only the trainable tensors when part of the model

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..seeding import SAMPLE_PERSON, row_keys, step_draws, user_hashes
 
-INCLUDE, SUBSET = 0, 1  # the streams of step_draws: Poisson inclusion, ULS per-user row subsets
+INCLUDE, SUBSET, PARTITION = 0, 1, 2  # streams of step_draws: inclusion, ULS row subsets, cyclic partitions
 
 
 def _threshold(rate: float) -> int | None:
@@ -121,3 +121,43 @@ class PoissonSampler:
         if int(state["seed"]) != self.seed:
             self._set_seed(int(state["seed"]))  # a secret seed drawn by the run that wrote the checkpoint
         self.step = int(state["step"])
+
+
+def cyclic_partitions(user_keys: np.ndarray, bands: int) -> np.ndarray:
+    """Each user's partition in [0, b): a keyed draw of its own sampling key (`user_hashes(..., SAMPLE_PERSON)`)."""
+    return (step_draws(user_keys, 0, PARTITION) % np.uint64(int(bands))).astype(np.int64)
+
+
+class CyclicPoissonSampler(PoissonSampler):
+    """Cyclic Poisson sampling of users over b partitions (banded DP-FTRL, userdp.privacy.banded).
+
+    User u belongs to partition `step_draws(key_u, 0, PARTITION) mod b`, a keyed hash of its own id (independent
+    of every other user: removing a user moves no one); step t samples the users of partition t mod b, each
+    with probability `rate` (p, the within-partition rate) by the same keyed draws as PoissonSampler. So a user
+    takes part at most once in any b consecutive steps, as the accountant assumes.
+    """
+
+    SCHEME = "keyed-splitmix64-cyclic/v1"
+
+    def __init__(self, user_ids: Sequence[str], rate: float, seed: int, bands: int):
+        if int(bands) < 1:
+            raise ValueError(f"bands must be >= 1, got {bands}")
+        self.bands = int(bands)
+        super().__init__(user_ids, rate, seed)
+
+    def _set_seed(self, seed: int) -> None:
+        super()._set_seed(seed)
+        self.partitions = cyclic_partitions(self._user_keys, self.bands)
+
+    def sample(self) -> np.ndarray:
+        t = self.step
+        included = super().sample()
+        return included[self.partitions[included] == t % self.bands]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "bands": self.bands}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state.get("bands", 0)) != self.bands:
+            raise ValueError(f"sampler state has {state.get('bands')} bands, this sampler {self.bands}")
+        super().load_state_dict(state)

@@ -20,7 +20,8 @@ threads, gpus (data-parallel ranks give the one-process result up to float
 summation order), physical_batch_size (micro-batching sums the same clipped
 per-unit gradients, only in another order; the ledger still records the
 value the run used), checkpoint_every (a resumed run continues the same RNG
-streams), log_every_s, gradient_checkpointing (recomputed activations give the
+streams), log_every_s, max_noise_buffers_gb (a memory bound: a run fits or stops
+before its first step), gradient_checkpointing (recomputed activations give the
 same clipped sums: tests/test_lora.py), learning_rates (the rate is the {lr} wildcard),
 debug_step_log (an exception: it changes which train-log columns are
 written, not the model, so it is not in the fingerprint and a checkpoint
@@ -43,7 +44,7 @@ from ..errors import ConfigError
 # training.* keys that change a fine-tuning run's result (see the module docstring).
 RESULT_TRAINING_KEYS = ("optimizer", "schedule", "warmup_steps", "precision", "uls_examples_per_user", "device")
 # training.* keys a run reads (TrainSettings.from_config) that change no result (see the module docstring).
-EXECUTION_TRAINING_KEYS = ("physical_batch_size", "checkpoint_every", "gradient_checkpointing")
+EXECUTION_TRAINING_KEYS = ("physical_batch_size", "checkpoint_every", "gradient_checkpointing", "max_noise_buffers_gb")
 
 
 @dataclass
@@ -63,6 +64,7 @@ class TrainSettings:
     log_every_s: float = 10.0
     debug_step_log: bool = False  # training.debug_step_log: which train-log columns are written (step_log)
     gradient_checkpointing: bool = False  # training.gradient_checkpointing: memory only, the same clipped sums
+    max_noise_buffers_gb: float = 8.0  # training.max_noise_buffers_gb: banded DP-FTRL's buffers must fit in it
 
     @classmethod
     def from_config(cls, config: dict, learning_rate: float) -> "TrainSettings":
@@ -80,6 +82,7 @@ class TrainSettings:
             uls_examples_per_user=tr.get("uls_examples_per_user"),
             debug_step_log=bool(tr.get("debug_step_log", False)),
             gradient_checkpointing=bool(tr.get("gradient_checkpointing", False)),
+            max_noise_buffers_gb=float(tr.get("max_noise_buffers_gb", 8.0)),
         )
 
     def result_settings(self, device: str | None = None) -> dict[str, Any]:

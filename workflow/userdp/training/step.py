@@ -153,8 +153,9 @@ class DPStep:
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.zero_()
-        if self.adaptive is not None:  # this step's C_t: the clipping, the noise and AdamBC follow it
+        if self.state.noise_varies:  # this step's C_t (adaptive) and noise std: the noise and AdamBC follow them
             self.state.apply_clip_norm()
+        if self.adaptive is not None:  # the clipping follows C_t too
             self.grads.clip_norm = self.state.clip_norm
         sums = StepSums()
         s, device = self.settings, self.ctx.device
@@ -207,7 +208,7 @@ class DPStep:
         """
         sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2) for p in self.params)
         d = sum(p.numel() for p in self.params)
-        return math.sqrt(sq), step_log.signal_norm(sq, d, self.noise.std, self.expected)
+        return math.sqrt(sq), step_log.signal_norm(sq, d, self.noise.added_std, self.expected)
 
 
 @dataclass(frozen=True)
