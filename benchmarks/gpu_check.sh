@@ -21,8 +21,8 @@
 #       wide, seq 256), bf16: DP-LoRA (ELS, ULS) vs non-private LoRA, and the full-fine-tuning DP steps;
 #       needs the peft and accelerate wheels in .whl too (pip download --no-deps peft==0.21.2
 #       accelerate==1.15.0 -d .whl; both are pure Python);
-#   (b) benchmarks/gpu_finetune_smoke.py: ~20 steps each of ELS, ULS, ULS with adaptive clipping and a
-#       non-private run through userdp.training.engine.train on a
+#   (b) benchmarks/gpu_finetune_smoke.py: ~20 steps each of ELS, ULS, ULS with adaptive clipping, ULS as
+#       4-banded DP-FTRL (privacy.correlated_noise) and a non-private run through userdp.training.engine.train on a
 #       gpt2-medium-sized model (random init), bf16: steps/s, examples/s, peak
 #       GPU memory, and the ledger (epsilon from the real accountant).
 # Outputs under $OUT (they come back to the calling machine): gpu_check.log

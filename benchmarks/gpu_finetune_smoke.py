@@ -1,4 +1,5 @@
-"""GPU smoke run: short real DP fine-tuning (ELS, ULS, ULS with adaptive clipping, non-private) through
+"""GPU smoke run: short real DP fine-tuning (ELS, ULS, ULS with adaptive clipping, ULS as 4-banded DP-FTRL,
+non-private) through
 userdp.training.engine.train.
 
 Not a test (never run by pytest or CI): benchmarks/gpu_check.sh runs it on a
@@ -97,14 +98,19 @@ def nan_epsilon(*args: Any, **kwargs: Any) -> float:
     return math.nan
 
 
+#: The bands of the uls_banded run (banded DP-FTRL, userdp.privacy.banded).
+BANDS = 4
+
+
 def make_plan(method: str, pool: Any, expected: float, steps: int, epsilon: float, delta: float,
               calibrate: Callable[..., Any] | None, fixed_sigma: float, count_noise: float = 0.05
               ) -> tuple[dict[str, Any], float]:
     """A hand-built plan (the plan.json fields the engine and ledger read); returns (plan, calibration seconds)."""
     private = method != "nonprivate"
-    mech = "els" if method == "nonprivate" else method.split("_")[0]  # els, uls, els_adaptive, uls_adaptive
+    mech = "els" if method == "nonprivate" else method.split("_")[0]  # els, uls, *_adaptive, uls_banded
     n = pool.n_examples if mech == "els" else pool.n_users
-    q = expected / n
+    bands = BANDS if method == "uls_banded" else 1  # privacy.correlated_noise: {bands: BANDS}
+    q = expected / n * bands
     if q > 1:
         raise SystemExit(f"{method}: sampling rate {q:.3g} > 1; use more users (--n-users) or fewer examples per step")
     sigma, eps_ach, acct, seconds = 0.0, math.inf, None, 0.0
@@ -112,7 +118,8 @@ def make_plan(method: str, pool: Any, expected: float, steps: int, epsilon: floa
         t0 = time.perf_counter()
         from userdp.privacy import mechanism
 
-        cal = calibrate(mechanism.get(mech)(q, steps, pool.group_size), epsilon, delta)
+        mechanism_of = (lambda *a: mechanism.BandedULS(*a, bands=bands)) if bands > 1 else mechanism.get(mech)
+        cal = calibrate(mechanism_of(q, steps, pool.group_size), epsilon, delta)
         seconds = time.perf_counter() - t0
         sigma, eps_ach, acct = cal.noise_multiplier, cal.epsilon_achieved, cal.accountant
     elif private:
@@ -123,6 +130,8 @@ def make_plan(method: str, pool: Any, expected: float, steps: int, epsilon: floa
         "epsilon_achieved": eps_ach, "compute_budget": None, "accountant": acct,
         "clip_norm": 1.0 if private else None, "clipping": "flat",
     }
+    if bands > 1:
+        plan["correlated_noise"] = {"bands": bands}
     if method.endswith("_adaptive"):  # privacy.clipping: adaptive, the default privacy.adaptive but count_noise
         plan.update(clipping="adaptive", adaptive_clipping={"quantile": 0.5, "learning_rate": 0.2,
                                                              "count_noise": count_noise})
@@ -240,8 +249,9 @@ def main() -> int:
     ap.add_argument("--size", default="gpt2-medium", choices=sorted(SIZES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--bf16", action="store_true", help="training.precision bf16 (autocast; CUDA only)")
-    ap.add_argument("--methods", default="els,uls,uls_adaptive,nonprivate",
-                    help="comma list of els, uls, els_adaptive, uls_adaptive (privacy.clipping: adaptive), nonprivate")
+    ap.add_argument("--methods", default="els,uls,uls_adaptive,uls_banded,nonprivate",
+                    help="comma list of els, uls, els_adaptive, uls_adaptive (privacy.clipping: adaptive), uls_banded "
+                         f"(privacy.correlated_noise: {{bands: {BANDS}}}), nonprivate")
     ap.add_argument("--count-noise", type=float, default=0.05,
                     help="privacy.adaptive.count_noise of the *_adaptive runs (std of the noisy unclipped fraction)")
     ap.add_argument("--steps", type=int, default=20)

@@ -625,11 +625,12 @@ def tokenize_job(examples: str = "results/data/mine/examples.parquet") -> Callab
 PLAN = "results/plan/mine/method~els/eps~8/budget~400.json"
 
 
-def plan_job(private_stats: bool = False, privacy: dict | None = None) -> Callable[[Path], Outcome]:
-    """Rule plan's script for one ELS cell of dataset `mine` (inputs users.parquet and contributions.json);
-    `privacy`: further privacy.* keys."""
+def plan_job(private_stats: bool = False, privacy: dict | None = None, method: str = "els"
+             ) -> Callable[[Path], Outcome]:
+    """Rule plan's script for one cell (ELS by default) of dataset `mine` (inputs users.parquet and
+    contributions.json); `privacy`: further privacy.* keys."""
     config: dict = {"datasets": {"mine": {"source": "synthetic"}}, "grid": {"budgets": [{"compute": 400, "steps": 10}]},
-                    "privacy": {"group_size": {"els": 2}, **(privacy or {})}}
+                    "privacy": {"group_size": {method: 2}, **(privacy or {})}}
     if private_stats:
         config["privacy"]["contribution_stats"] = {"private": True, "epsilon": 0.1}
 
@@ -639,10 +640,10 @@ def plan_job(private_stats: bool = False, privacy: dict | None = None) -> Callab
         inputs = {"users": "results/data/mine/users.parquet", "contributions": "results/data/mine/contributions.json",
                   **({"contributions_dp": "results/data/mine/contributions_dp.json"} if private_stats else {})}
         return {"input": inputs, "output": {"plan": PLAN},
-                "params": {"privacy": targets.plan_privacy_params(cfg, "els", "8"), "steps": 10,
-                           "reference_epsilon": targets.reference_epsilon_param(cfg, "els", "8"),
+                "params": {"privacy": targets.plan_privacy_params(cfg, method, "8"), "steps": 10,
+                           "reference_epsilon": targets.reference_epsilon_param(cfg, method, "8"),
                            "selection": targets.selection_param(cfg), "group_size": None},
-                "wildcards": {"dataset": "mine", "method": "els", "eps": "8", "budget": "400"}}
+                "wildcards": {"dataset": "mine", "method": method, "eps": "8", "budget": "400"}}
 
     return script("plan_cell.py", make, config)
 
@@ -787,6 +788,8 @@ CASES: list[Case] = [
                 "grid: {seeds: [0.5]}\n", "config key 'grid.seeds.0' is invalid"),
     config_case("seed-negative", "a negative root seed",
                 "seed: -1\n", "config key 'seed' is invalid"),
+    config_case("correlated-noise-one-band", "banded DP-FTRL with one band (`privacy.correlated_noise.bands: 1`)",
+                "privacy: {correlated_noise: {bands: 1}}\n", "privacy.correlated_noise.bands"),
     config_case("adaptive-key-typo", "a misspelt key of adaptive clipping (`privacy.adaptive.quantil`)",
                 "privacy: {clipping: adaptive, adaptive: {quantil: 0.5}}\n",
                 "unknown config key(s) ['quantil'] under 'privacy.adaptive'"),
@@ -1292,6 +1295,12 @@ CASES: list[Case] = [
     Case("adaptive-count-noise-too-small", "config", "adaptive clipping whose count noise would spend the whole "
          "step's budget", plan_job(privacy={"clipping": "adaptive", "adaptive": {"count_noise": 0.001}}), 2,
          "raise privacy.adaptive.count_noise above",
+         setup=steps(users_parquet(splits=("train",) * 60 + ("validation", "test")), contributions(train=60)),
+         absent=(PLAN,)),
+    Case("correlated-noise-rate-above-one", "config", "banded DP-FTRL with more bands than the batch allows (each "
+         "step samples one partition of N / b users)",
+         plan_job(privacy={"correlated_noise": {"bands": 4}}, method="uls"), 2,
+         "with privacy.correlated_noise.bands = 4 a step samples from one partition",
          setup=steps(users_parquet(splits=("train",) * 60 + ("validation", "test")), contributions(train=60)),
          absent=(PLAN,)),
     Case("contributions-truncated", "artifact", "a contributions.json cut off (a full disk)", plan_job(), 2,

@@ -268,3 +268,29 @@ def test_make_private_runs_banded_dp_ftrl_from_privacy_arguments(tmp_path):
     assert dp.ledger()["correlated_noise"]["rounds_per_user"] == 2
     with pytest.raises(ConfigError, match="user-level sampling only"):
         userdp.PrivacyArguments(method="els", epsilon=8.0, compute=100, correlated_noise={"bands": 2})
+
+
+def test_banded_noise_state_and_marginal_std():
+    """The marginal std AdamBC subtracts is sigma C ||row t of C^-1|| at every step; a noise restored from its
+    state mid-run continues the same sequence."""
+    from userdp.training.noise import BandedNoise
+
+    c = banded.bsr_coefficients(3)
+    rows = np.linalg.norm(np.linalg.inv(banded.strategy_matrix(c, 6)), axis=1)
+    p = torch.nn.Parameter(torch.zeros(5))
+    a, b = BandedNoise(2.0, 0.5, 7, c, 6), BandedNoise(2.0, 0.5, 99, c, 6)
+    drawn = []
+    for t in range(6):
+        assert a.marginal_std == pytest.approx(1.0 * rows[t], rel=1e-12)
+        if t == 3:
+            b.load_state_dict(a.state_dict())
+        p.grad = torch.zeros(5)
+        a.add_([p])
+        drawn.append(p.grad.clone())
+        assert a.added_std == pytest.approx(1.0 * rows[t], rel=1e-12)
+        if t >= 3:
+            p.grad = torch.zeros(5)
+            b.add_([p])
+            torch.testing.assert_close(p.grad, drawn[t], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="band coefficients"):
+        BandedNoise(2.0, 0.5, 7, banded.bsr_coefficients(2), 6).load_state_dict(a.state_dict())

@@ -81,38 +81,30 @@ class BandedNoise(GaussianNoise):
     i.e. the noise sequence is std * C^-1 z for the b-banded Toeplitz strategy C. The b - 1 previous w's of every
     trainable coordinate are kept (`buffers`, float32 on the noise's device, in the checkpoint: they are as secret
     as the generator). std follows the clip norm of the step (adaptive clipping), w does not depend on it.
+    steps: the run's T (the marginal stds ||row t of C^-1|| are computed once for them).
     """
 
-    def __init__(self, noise_multiplier: float, clip_norm: float | None, seed: int, coefficients,
+    def __init__(self, noise_multiplier: float, clip_norm: float | None, seed: int, coefficients, steps: int,
                  device: torch.device | str = "cpu"):
+        from ..privacy.banded import marginal_std_factors
+
         super().__init__(noise_multiplier, clip_norm, seed, device)
         self.coefficients = [float(c) for c in coefficients]
         self.buffers: list[list[torch.Tensor]] = []  # newest first: buffers[k - 1] holds w_{t-k}, per parameter
         self.steps_drawn = 0
-        #: ||row t of C^-1|| for the coming step t (the marginal std over std); updated as steps are drawn
-        self._row_sq = 0.0
-        self._first_column: list[float] = []
+        self._row_norms = [float(r) for r in marginal_std_factors(self.coefficients, max(int(steps), 1))]
+
+    def _row_norm(self, t: int) -> float:
+        return self._row_norms[min(t, len(self._row_norms) - 1)]  # past T (a caller stepping on): the last
 
     @property
     def marginal_std(self) -> float:
-        return self.std * self._next_row_norm()
+        """The coming step's per-coordinate std: std ||row t of C^-1||."""
+        return self.std * self._row_norm(self.steps_drawn)
 
     @property
     def added_std(self) -> float:
-        return self.std * self._row_sq ** 0.5
-
-    def _next_entry(self) -> float:
-        """Entry t of C^-1's first column (C^-1 is Toeplitz too), t the coming step."""
-        c, col, t = self.coefficients, self._first_column, len(self._first_column)
-        return ((1.0 if t == 0 else 0.0) - sum(c[k] * col[t - k] for k in range(1, min(t, len(c) - 1) + 1))) / c[0]
-
-    def _next_row_norm(self) -> float:
-        return (self._row_sq + self._next_entry() ** 2) ** 0.5
-
-    def _advance_row(self) -> None:
-        r = self._next_entry()
-        self._first_column.append(r)
-        self._row_sq += r * r
+        return self.std * self._row_norm(max(self.steps_drawn - 1, 0))
 
     def add_(self, params: Iterable[torch.nn.Parameter], record: list[torch.Tensor] | None = None) -> None:
         std = self.std
@@ -133,7 +125,6 @@ class BandedNoise(GaussianNoise):
         if len(c) > 1:
             self.buffers = [fresh] + self.buffers[: len(c) - 2]
         self.steps_drawn += 1
-        self._advance_row()
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "buffers": [[b.cpu() for b in step] for step in self.buffers],
@@ -144,7 +135,4 @@ class BandedNoise(GaussianNoise):
             raise ValueError("noise state belongs to another strategy (its band coefficients differ)")
         super().load_state_dict(state)
         self.buffers = [[b.to(self.device) for b in step] for step in state["buffers"]]
-        self.steps_drawn, self._first_column, self._row_sq = 0, [], 0.0
-        for _ in range(int(state["steps_drawn"])):
-            self._advance_row()
         self.steps_drawn = int(state["steps_drawn"])

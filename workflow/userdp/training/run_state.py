@@ -204,7 +204,8 @@ class RunState:
             except PrivacyError as exc:
                 raise DataError(f"{exc} (the plan does not fit this pool's divisor; rebuild the plan)") from None
         self.noise = (GaussianNoise(sigma, mech.clip_norm, seeds["noise"], device) if self.banded is None else
-                      BandedNoise(sigma, mech.clip_norm, seeds["noise"], self.banded.coefficients, device))
+                      BandedNoise(sigma, mech.clip_norm, seeds["noise"], self.banded.coefficients, mech.steps,
+                                  device))
         #: The clip norm of the coming step (adaptive clipping moves it after every step; checkpointed).
         self.clip_norm = mech.clip_norm
         if optimizer is None:  # the pipeline's: training.optimizer, training.schedule
