@@ -124,7 +124,7 @@ def test_privacy_correlated_noise_changes_only_private_uls_plans():
         return plan_privacy_params(cfg, method, eps)
 
     on = {"correlated_noise": {"bands": 4}}
-    assert params(on)["correlated_noise"] == {"bands": 4, "strategy": "banded_square_root"}
+    assert params(on)["correlated_noise"] == {"bands": 4}
     assert "correlated_noise" not in params({})
     assert params(on, "els") == params({}, "els") and params(on, eps="inf") == params({}, eps="inf")
     with pytest.raises(ConfigError, match="correlated_noise"):
