@@ -510,3 +510,23 @@ def test_banded_noise_without_its_correlation_or_with_wrong_bands_fails_the_nois
         assert bad["correlation_check_failed"] and bad["noise_correlation"] > 20
     else:
         assert bad["noise_std_ratio"] == pytest.approx(1 / mm.UNNORMALISED, abs=0.03)
+
+
+def test_a_failed_correlation_check_fails_the_noise_check_also_with_adaptive_clipping():
+    """With clipping adaptive AND banded noise, the count check must add to the correlation check, not replace it:
+    independent noise at the right per-step std (only the correlation is wrong) fails the noise check."""
+    from userdp.privacy.banded import bsr_coefficients, marginal_std_factors
+
+    rng = np.random.default_rng(3)
+    T = 40
+    s = ma.CellSetup(method="uls", epsilon=2.0, canaries=4, group_size=1, sampling_rate=1.0, steps=T, delta=1e-6,
+                     clip_norm=1.0, bands=4, clipping="adaptive", adaptive=AdaptiveClipping(0.5, 0.2, 0.5))
+    rows = marginal_std_factors(bsr_coefficients(4), T)
+    counts = rng.integers(-5, 5, size=T).astype(float)
+    run = {"free": rng.normal(size=(8, T, 16)) * rows[None, :, None], "divisor": 1.0,
+           "released": np.zeros((4, T, 16)),
+           "adaptive": {"clip_norms": np.ones(T), "released_counts": counts + rng.normal(size=T),
+                        "recomputed_counts": counts, "gradient_noise_multiplier": 1.0, "count_noise_std": 1.0}}
+    out = ma.noise_checks(s, 1.0, run)
+    assert out["correlation_check_failed"] and not out["count_check_failed"]
+    assert out["noise_check_failed"]

@@ -66,13 +66,16 @@ def run_case(name: str, root: Path, dist=None, **kw) -> tuple[torch.Tensor, engi
     if name in ("els", "resume"):
         pool, method = make_pool(2), "els"
         plan, s, source = plan_for(pool, "els", expected=6.0, steps=T, sigma=SIGMA, clip=CLIP), settings(), None
-    elif name in ("uls", "uls_adaptive"):
+    elif name in ("uls", "uls_adaptive", "uls_banded"):
         pool, method = make_pool(3), "uls"
         plan = plan_for(pool, "uls", expected=4.0, steps=T, sigma=SIGMA, clip=CLIP)
-        if name == "uls_adaptive":  # the count's noise drawn once on rank 0, every rank moving C alike
+        if name != "uls":  # the count's noise drawn once on rank 0, every rank moving C alike
             plan = plan.replace(clipping="adaptive",
                                 adaptive_clipping={"quantile": 0.5, "learning_rate": 0.5, "count_noise": 0.3})
-        s, source = settings(physical_batch_size=4), None
+        if name == "uls_banded":  # banded DP-FTRL with adaptive clipping and AdamBC: buffers on rank 0 only, and
+            # AdamBC's subtracted variance (the step's marginal std) alike on every rank
+            plan = plan.replace(sampling_rate=plan.sampling_rate * 2, correlated_noise={"bands": 2})
+        s, source = settings(physical_batch_size=4, optimizer="adam_bc" if name == "uls_banded" else "adam"), None
     elif name == "noise":  # zero gradients: the update is the noise alone
         pool, method = make_pool(2), "els"
         plan = plan_for(pool, "els", expected=E_NOISE, steps=1, sigma=2.0, clip=CLIP)
@@ -95,7 +98,7 @@ def _worker(rank: int, world: int, root: str) -> None:
         ctx = distributed.current_context()  # also checks the engine's auto-detection path
         assert ctx is not None and ctx.world_size == world and ctx.rank == rank
         results = {}
-        for name in ("els", "uls", "uls_adaptive", "noise"):
+        for name in ("els", "uls", "uls_adaptive", "uls_banded", "noise"):
             params, out = run_case(name, root / "dist")  # dist=None: detected from the process group
             results[name] = {"params": params, "log": out.log, "ledger": out.ledger, "complete": out.complete}
         params, out = run_case("resume", root / "dist", max_steps=2)
@@ -116,12 +119,12 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
     mp.spawn(_worker, args=(WORLD, str(root)), nprocs=WORLD, join=True)
     ranks = [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    single = {name: run_case(name, root / "single") for name in ("els", "uls", "uls_adaptive", "noise")}
+    single = {name: run_case(name, root / "single") for name in ("els", "uls", "uls_adaptive", "uls_banded", "noise")}
     return root, ranks, single
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["els", "uls", "uls_adaptive"])
+@pytest.mark.parametrize("name", ["els", "uls", "uls_adaptive", "uls_banded"])
 def test_two_processes_match_one(runs, name):
     root, ranks, single = runs
     ref_params, ref = single[name]
@@ -130,7 +133,8 @@ def test_two_processes_match_one(runs, name):
     params = ranks[0][name]["params"]
     before = torch.cat([p.detach().reshape(-1) for p in tiny_model(seed=1).double().parameters()])
     assert float((ref_params - before).abs().max()) > 1e-3  # training did move the parameters
-    torch.testing.assert_close(params, ref_params, rtol=1e-10, atol=1e-12)
+    # AdamBC's v - phi cancels to near its floor, which magnifies the ranks' other summation order (seen: 6e-12)
+    torch.testing.assert_close(params, ref_params, rtol=1e-10, atol=1e-10 if name == "uls_banded" else 1e-12)
 
     # the written ledger equals the one-process ledger on the mechanism and compute; processes recorded
     ledger = read_json(root / "dist" / name / "ledger.json")
@@ -144,7 +148,7 @@ def test_two_processes_match_one(runs, name):
     exact = ["step", "realised_examples", "realised_users", "realised_units", "examples_processed", "learning_rate"]
     pd.testing.assert_frame_equal(log[exact], ref.log[exact])
     cols = ["loss", "clipped_fraction", "mean_unit_norm", "update_norm", "update_signal_norm"]
-    if name == "uls_adaptive":
+    if name in ("uls_adaptive", "uls_banded"):
         cols += ["clip_norm", "unclipped_fraction_noisy"]
         assert ledger["adaptive_clipping"] == ref_ledger["adaptive_clipping"]
         assert log["clip_norm"].nunique() == T

@@ -562,7 +562,7 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
     if dist is not None and dist.active and not dist.is_main:
         return None
     ledger = dp.ledger()
-    divisor = float(setup.sampling_rate) * n_units / setup.bands
+    divisor = float(spec.expected_batch)  # q N (p N / b): the public divisor the run was given
     adaptive = None
     if counts:
         c = np.asarray(counts, float)
@@ -582,11 +582,10 @@ def canary_partitions(setup: CellSetup, sampler_seed: int) -> np.ndarray:
     adversary of the threat model can (zeros for DP-SGD: every step is every canary's)."""
     if setup.bands == 1:
         return np.zeros(setup.canaries, np.int64)
-    from ..seeding import SAMPLE_PERSON, user_hashes
-    from ..training.sampling import cyclic_partitions
+    from ..training.sampling import CyclicPoissonSampler
 
     ids = [f"canary{i:06d}" for i in range(setup.canaries)]
-    return cyclic_partitions(user_hashes(ids, sampler_seed, person=SAMPLE_PERSON), setup.bands)
+    return CyclicPoissonSampler(ids, float(setup.sampling_rate), sampler_seed, setup.bands).partitions
 
 
 def fmt(x: float) -> str:
@@ -628,7 +627,7 @@ def noise_checks(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> dict
                                          or abs(out["noise_std_ratio"] - 1) > tol_all)
     if run.get("adaptive") is not None:
         out.update(count_checks(run["adaptive"]))
-        out["noise_check_failed"] = bool(failed or out["count_check_failed"])
+        out["noise_check_failed"] = bool(out["noise_check_failed"] or out["count_check_failed"])
     return out
 
 

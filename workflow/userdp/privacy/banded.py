@@ -146,12 +146,12 @@ class CorrelatedNoise:
         """PrivacyError naming training.max_noise_buffers_gb when the buffers would not fit in it."""
         need = self.buffer_bytes(n_coordinates) / 1e9
         if need > float(max_gb):
-            fewest = max(1, int(float(max_gb) * 1e9 // (4 * max(int(n_coordinates), 1))) + 1)
+            most = int(float(max_gb) * 1e9 // (4 * max(int(n_coordinates), 1))) + 1
+            fewer = f"use at most {most} bands" if most >= 2 else f"set {KEY} to null (DP-SGD)"
             raise PrivacyError(
                 f"{where}: {KEY}.bands = {self.bands} keeps {self.bands - 1} noise buffers of the {n_coordinates:,} "
                 f"trainable coordinates, {need:.3g} GB, above training.max_noise_buffers_gb = {float(max_gb):g}. "
-                f"Use at most {fewest} bands, train fewer coordinates (LoRA: model.lora), or raise "
-                "training.max_noise_buffers_gb.")
+                f"Fix: {fewer}, train fewer coordinates (LoRA: model.lora), or raise training.max_noise_buffers_gb.")
 
 
 def of_config(privacy: Mapping[str, Any], method: str) -> CorrelatedNoise | None:

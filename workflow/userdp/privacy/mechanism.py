@@ -331,7 +331,9 @@ def get(name: str, *, comparison: bool = False) -> type[Mechanism]:
 def from_record(record: Mapping[str, Any], steps_key: str = "steps") -> Mechanism:
     """The mechanism a plan or ledger describes (its method, sampling_rate, steps, group_size, correlated_noise)."""
     args = (float(record["sampling_rate"]), int(record[steps_key]), int(record["group_size"]))
-    if record.get("correlated_noise"):
+    if record.get("correlated_noise") is not None:
+        if record["method"] != "uls":
+            raise PrivacyError(f"a {record['method']!r} record with correlated_noise: banded DP-FTRL is ULS only.")
         return BandedULS(*args, bands=int(record["correlated_noise"]["bands"]))
     return get(record["method"])(*args)
 

@@ -35,14 +35,9 @@ class GaussianNoise:
             return 0.0
         return self.noise_multiplier * float(self.clip_norm)
 
-    @property
-    def marginal_std(self) -> float:
-        """The std of each coordinate of the coming step's noise (= std; banded noise: larger, see BandedNoise)."""
-        return self.std
-
-    @property
-    def added_std(self) -> float:
-        """The std of each coordinate of the noise the last `add_` drew (= std here)."""
+    def step_std(self, step: int) -> float:
+        """The std of each coordinate of step `step`'s noise (0-based; = std here, banded noise: larger). A function
+        of the public step index, so every rank of a process group gets the same value (only rank 0 draws)."""
         return self.std
 
     def add_(self, params: Iterable[torch.nn.Parameter], record: list[torch.Tensor] | None = None) -> None:
@@ -91,32 +86,28 @@ class BandedNoise(GaussianNoise):
         super().__init__(noise_multiplier, clip_norm, seed, device)
         self.coefficients = [float(c) for c in coefficients]
         self.buffers: list[list[torch.Tensor]] = []  # newest first: buffers[k - 1] holds w_{t-k}, per parameter
-        self.steps_drawn = 0
         self._row_norms = [float(r) for r in marginal_std_factors(self.coefficients, max(int(steps), 1))]
 
-    def _row_norm(self, t: int) -> float:
-        return self._row_norms[min(t, len(self._row_norms) - 1)]  # past T (a caller stepping on): the last
-
-    @property
-    def marginal_std(self) -> float:
-        """The coming step's per-coordinate std: std ||row t of C^-1||."""
-        return self.std * self._row_norm(self.steps_drawn)
-
-    @property
-    def added_std(self) -> float:
-        return self.std * self._row_norm(max(self.steps_drawn - 1, 0))
+    def step_std(self, step: int) -> float:
+        """Step t's per-coordinate std: std ||row t of C^-1|| (t < T, the run's steps)."""
+        return self.std * self._row_norms[int(step)]
 
     def add_(self, params: Iterable[torch.nn.Parameter], record: list[torch.Tensor] | None = None) -> None:
         std = self.std
         if std == 0.0:
             return
         c = self.coefficients
+        # A ring of b - 1 buffers: once full, w_t overwrites w_{t-b+1}, parameter by parameter, after its last use,
+        # so the peak is the buffers plus one parameter's draw (what check_fits counts).
+        full = len(c) > 1 and len(self.buffers) == len(c) - 1
         fresh: list[torch.Tensor] = []
         for i, p in enumerate(params):
             w = torch.randn(p.shape, generator=self.generator, device=self.device, dtype=torch.float32)
-            for k, buf in enumerate(self.buffers[: len(c) - 1], start=1):
+            for k, buf in enumerate(self.buffers, start=1):
                 w.sub_(buf[i], alpha=c[k])
             w.div_(c[0])
+            if full:
+                w = self.buffers[-1][i].copy_(w)
             fresh.append(w)
             noise = w.to(device=p.grad.device, dtype=p.grad.dtype)
             p.grad.add_(noise, alpha=std)
@@ -124,15 +115,14 @@ class BandedNoise(GaussianNoise):
                 record.append(noise.mul(std))  # out of place: `noise` may be the buffer itself
         if len(c) > 1:
             self.buffers = [fresh] + self.buffers[: len(c) - 2]
-        self.steps_drawn += 1
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "buffers": [[b.cpu() for b in step] for step in self.buffers],
-                "steps_drawn": self.steps_drawn, "coefficients": list(self.coefficients)}
+        return {**super().state_dict(), "buffers": [[b.to("cpu", copy=True) for b in step] for step in self.buffers],
+                "coefficients": list(self.coefficients)}
 
     def load_state_dict(self, state: dict) -> None:
         if [float(c) for c in state.get("coefficients", [])] != self.coefficients:
             raise ValueError("noise state belongs to another strategy (its band coefficients differ)")
         super().load_state_dict(state)
-        self.buffers = [[b.to(self.device) for b in step] for step in state["buffers"]]
-        self.steps_drawn = int(state["steps_drawn"])
+        # copies both ways: the ring overwrites its oldest buffer in place
+        self.buffers = [[b.to(self.device, copy=True) for b in step] for step in state["buffers"]]

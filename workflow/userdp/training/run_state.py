@@ -67,7 +67,7 @@ def run_fingerprint(spec: RunSpec, settings: TrainSettings, device: torch.device
         "plan": fingerprint_plan(spec),
         "settings": settings.result_settings(device=device.type),
         "seeds": public_seeds(seeds), "n_units": n_units, "n_pool_examples": pool.n_examples,
-        "sampler": PoissonSampler.SCHEME,
+        "sampler": (PoissonSampler if spec.correlated_noise is None else CyclicPoissonSampler).SCHEME,
         "model": ckpt.model_digest(model),
         "pool": ckpt.arrays_digest(*pool.content_arrays()),
     })
@@ -215,9 +215,9 @@ class RunState:
             self.optimizer, self.scheduler = optimizer, scheduler
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Trainer's AcceleratedOptimizer wraps it
         self._bias_corrected = inner if isinstance(inner, AdamBC) else None
+        self.step, self.examples_processed, self.users_processed = 0, 0, 0
         self.apply_clip_norm()
         self.private = mech.clip_norm is not None
-        self.step, self.examples_processed, self.users_processed = 0, 0, 0
         self.rows: list[dict[str, Any]] = []
         self.resumed_at: list[int] = []
 
@@ -233,7 +233,7 @@ class RunState:
         marginal std, sigma C ||row t of C^-1|| / m)."""
         self.noise.clip_norm = self.clip_norm
         if self._bias_corrected is not None:  # with adaptive clipping its noise follows C_t, step by step
-            self._bias_corrected.bind_noise(self.noise.marginal_std / self.divisor, varying=self.noise_varies)
+            self._bias_corrected.bind_noise(self.noise.step_std(self.step) / self.divisor, varying=self.noise_varies)
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The model's state in the checkpoint: all of it, or only the trainable tensors when part of the model

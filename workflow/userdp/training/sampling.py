@@ -123,11 +123,6 @@ class PoissonSampler:
         self.step = int(state["step"])
 
 
-def cyclic_partitions(user_keys: np.ndarray, bands: int) -> np.ndarray:
-    """Each user's partition in [0, b): a keyed draw of its own sampling key (`user_hashes(..., SAMPLE_PERSON)`)."""
-    return (step_draws(user_keys, 0, PARTITION) % np.uint64(int(bands))).astype(np.int64)
-
-
 class CyclicPoissonSampler(PoissonSampler):
     """Cyclic Poisson sampling of users over b partitions (banded DP-FTRL, userdp.privacy.banded).
 
@@ -147,7 +142,8 @@ class CyclicPoissonSampler(PoissonSampler):
 
     def _set_seed(self, seed: int) -> None:
         super()._set_seed(seed)
-        self.partitions = cyclic_partitions(self._user_keys, self.bands)
+        # each user's partition in [0, b): a keyed draw of its own sampling key
+        self.partitions = (step_draws(self._user_keys, 0, PARTITION) % np.uint64(self.bands)).astype(np.int64)
 
     def sample(self) -> np.ndarray:
         t = self.step

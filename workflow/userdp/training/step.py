@@ -208,7 +208,7 @@ class DPStep:
         """
         sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2) for p in self.params)
         d = sum(p.numel() for p in self.params)
-        return math.sqrt(sq), step_log.signal_norm(sq, d, self.noise.added_std, self.expected)
+        return math.sqrt(sq), step_log.signal_norm(sq, d, self.noise.step_std(self.state.step), self.expected)
 
 
 @dataclass(frozen=True)
