@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,46 @@ def test_an_evaluation_change_rescores_runs_without_training_them(run, tmp_path)
     for r in runs:
         assert load(r / "eval.json")["test_n_users"] == 7
     assert load(cell / "metrics.json")["test_n_users"] == 7
+
+
+def test_options_run_beside_the_grid_in_a_real_run(run, tmp_path):
+    """grid.options through the real rules, on a copy of the run's outputs: DP-Adam-BC for both methods and
+    DP-FTRL for ULS run as copies of the private cells, each from its own plan (same target epsilon), while no
+    grid job reruns; their summary, claim 15 of the findings and the loss-gap figure come out; a second
+    invocation has nothing to do."""
+    import shutil
+
+    import pandas as pd
+
+    work = tmp_path / "opt"
+    shutil.copytree(run, work, symlinks=True)
+    extra = tmp_path / "options.yaml"
+    extra.write_text("grid:\n  options:\n    bc: {training: {optimizer: adam_bc}}\n"
+                     "    ftrl: {methods: [uls], privacy: {correlated_noise: {bands: 2}}}\n")
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(work),
+           "--configfile", str(CONFIG), str(extra), "--replace-workflow-config", "--cores", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    ran = set(re.findall(r"^(?:local)?rule (\w+):", out, flags=re.M))
+    assert ran == {"plan_option", "finetune_option", "select_lr", "aggregate_options", "findings",
+                   "plot_lm_options_loss_gap", "all"}, ran
+    runs = work / "results/runs/tiny"
+    base = load(runs / "method~uls/eps~4/budget~960/seed~0/ledger.json")
+    for option, method in (("bc", "els"), ("bc", "uls"), ("ftrl", "uls")):
+        cell = runs / f"option~{option}/method~{method}/eps~4/budget~960/seed~0"
+        ledger, plan = load(cell / "ledger.json"), load(work / f"results/plan/tiny/option~{option}/method~{method}/eps~4/budget~960.json")
+        assert ledger["epsilon"] <= 4 * 1.001 and ledger["epsilon"] == pytest.approx(plan["epsilon_achieved"], rel=1e-6)
+        assert ledger["optimizer"] == ("adam_bc" if option == "bc" else "adam")
+        assert ("correlated_noise" in ledger) == (option == "ftrl") == ("correlated_noise" in plan)
+        assert math.isfinite(load(cell / "metrics.json")["test_loss"])
+    ftrl = load(runs / "option~ftrl/method~uls/eps~4/budget~960/seed~0/ledger.json")
+    assert ftrl["correlated_noise"]["bands"] == 2 and ftrl["noise_multiplier"] != base["noise_multiplier"]
+    table = pd.read_parquet(work / "results/summary/tiny/options.parquet")
+    assert sorted(zip(table["option"], table["method"])) == [("bc", "els"), ("bc", "uls"), ("ftrl", "uls")]
+    rows = [f for f in load(work / "results/findings/default.json")["findings"] if f["claim_id"] == 15]
+    assert [r["claim"].split(":")[0] for r in rows] == ["bc", "bc", "ftrl"]
+    assert all(r["verdict"] == "inconclusive" for r in rows)  # one seed: no interval, no claim
+    assert (work / "results/figures/lm_options_loss_gap_tiny.png").stat().st_size > 10_000
+    again = subprocess.run([*cmd, "-n"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr

@@ -140,9 +140,11 @@ def test_every_registered_figure_has_a_caption_a_function_and_its_own_rule():
     # (metrics_table captions the summary table, a report item of rule aggregate)
     # (findings_table captions the findings table, a report item of rule findings)
     # (groups_table captions the cost-of-privacy table, a report item of rule groups)
+    # (options_table captions the options' summary, a report item of rule aggregate_options)
     captions = {p.stem for p in (REPO / registry.CAPTION_DIR).glob("*.rst")} - {"workflow", "audit_table",
                                                                                 "metrics_table", "findings_table",
-                                                                                "groups_table"}
+                                                                                "groups_table", "options_table"}
+    assert "options_table.rst" in (REPO / "workflow/rules/evaluate.smk").read_text()
     assert "groups_table.rst" in (REPO / "workflow/rules/evaluate.smk").read_text()
     assert "findings_table.rst" in (REPO / "workflow/rules/findings.smk").read_text()
     assert "audit_table.rst" in (REPO / "workflow/rules/audit.smk").read_text()

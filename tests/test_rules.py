@@ -189,3 +189,42 @@ def test_random_stopping_trains_each_private_cell_with_its_own_plan(tmp_path):
         cell = ledger.removeprefix("results/runs/d/").removesuffix("/seed~0/ledger.json")
         assert f"results/plan/d/{cell}.json" in job["inputs"], (ledger, job["inputs"])
     assert dag["results/runs/d/method~els/eps~inf/budget~100/seed~0/metrics.json"]["rule"] == "select_lr"
+
+
+def test_options_run_each_private_cell_again_with_its_own_plan(tmp_path):
+    """grid.options: each option copies the private cells of its methods (no eps~inf, no G sweep) into
+    option~NAME/ folders, trained from the option's own plan; their summary and the findings read them all; the
+    grid's own cells are the same jobs as without options. With random stopping, an option cell is one job too."""
+    options = {"bc": {"training": {"optimizer": "adam_bc"}},
+               "ftrl": {"methods": ["uls"], "privacy": {"correlated_noise": {"bands": 2}}}}
+    dag = dry_run(tmp_path / "a", {**GRID, "grid": {**GRID["grid"], "options": options}})
+    plain = dry_run(tmp_path / "b", GRID)
+    trained = {f: j for f, j in dag.items() if j["rule"] == "finetune_option" and f.endswith("/ledger.json")}
+    cells = {f.removeprefix("results/runs/d/").rsplit("/seed~0/", 1)[0] for f in trained}
+    assert cells == {f"option~bc/method~{m}/eps~{e}/budget~100" for m in ("els", "uls") for e in ("1", "0.5")} | {
+        f"option~ftrl/method~uls/eps~{e}/budget~100" for e in ("1", "0.5")}
+    assert len(trained) == len(cells) * 2  # every learning rate
+    for ledger, job in trained.items():
+        cell = ledger.removeprefix("results/runs/d/").rsplit("/seed~0/", 1)[0]
+        assert f"results/plan/d/{cell}.json" in job["inputs"]
+        assert dag[f"results/plan/d/{cell}.json"]["rule"] == "plan_option"
+        assert dag[ledger.rsplit("/lr~", 1)[0] + "/metrics.json"]["rule"] == "select_lr"
+    summary = dag["results/summary/d/options.parquet"]
+    assert summary["rule"] == "aggregate_options"
+    assert {f for f in summary["inputs"] if f.endswith("metrics.json")} == {
+        f"results/runs/d/{c}/seed~0/metrics.json" for c in cells}
+    assert "results/summary/d/options.parquet" in dag["results/findings/default.json"]["inputs"]
+    assert dag["results/figures/lm_options_loss_gap_d.png"]["inputs"] == {"results/summary/d/metrics.parquet",
+                                                                          "results/summary/d/options.parquet"}
+    # the grid's own jobs are untouched: same outputs, same inputs
+    for f, job in plain.items():
+        if "/option~" not in f and job["rule"] not in ("all", "findings"):
+            assert dag[f]["rule"] == job["rule"] and dag[f]["inputs"] == job["inputs"], f
+    rs = dry_run(tmp_path / "c", {**GRID, "grid": {**GRID["grid"], "options": options},
+                                  "privacy": {"selection": {"accounting": "random_stopping"}}})
+    stopped = {f: j for f, j in rs.items() if j["rule"] == "random_stopping" and "/option~" in f
+               and f.endswith("/ledger.json")}
+    assert len(stopped) == len(cells)
+    for ledger, job in stopped.items():
+        cell = ledger.removeprefix("results/runs/d/").removesuffix("/seed~0/ledger.json")
+        assert f"results/plan/d/{cell}.json" in job["inputs"]

@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test's Snakefile includes only this
 
 from userdp import grid, layout
-from userdp.config import validate_config
+from userdp.config import option_config, validate_config
 from userdp.privacy import memo
 from userdp.errors import ConfigError
 from snakemake.exceptions import WorkflowError
@@ -182,6 +182,21 @@ def user_labels_input(wildcards):
     return {"labels": f"results/data/{wildcards.dataset}/user_labels.parquet"}
 
 
+# grid.options: each option's config (its keys merged over the base's), which its plans and runs read; and the
+# option wildcard's values.
+OPTIONS = {name: option_config(config, name) for name in config["grid"]["options"]}
+OPTIONS_RE = layout.names_regex(list(OPTIONS))
+
+
+def cell_settings(wildcards):
+    """A fine-tuning job's `settings` param (userdp.training.targets.finetune_params) for the cell in a {cell}
+    wildcard: from its option's config (grid.options) when it has one."""
+    from userdp.training.targets import finetune_params
+
+    option = grid.cell_of_dir(f"results/runs/{wildcards.dataset}/{wildcards.cell}", config).option
+    return finetune_params(OPTIONS[option] if option else config, wildcards.dataset)
+
+
 def cell_plan(wildcards):
     """The plan the cell in a {cell} wildcard trains with (userdp.grid.Cell.plan_path)."""
     return grid.cell_of_dir(f"results/runs/{wildcards.dataset}/{wildcards.cell}", config).plan_path
@@ -191,16 +206,18 @@ def cell_plan(wildcards):
 
 
 CELLS = list(grid.iter_cells(config))  # the grid cells, in grid order
+OPTION_CELLS = list(grid.option_cells(config))  # the cells of grid.options, in option and grid order
 
 
-def cells(dataset=None):
-    """The grid cells, of `dataset` only if given."""
-    return [c for c in CELLS if dataset is None or c.dataset == dataset]
+def cells(dataset=None, options=False):
+    """The grid cells (`options`: the cells of grid.options instead), of `dataset` only if given."""
+    return [c for c in (OPTION_CELLS if options else CELLS) if dataset is None or c.dataset == dataset]
 
 
-def cell_files(pattern, dataset=None):
-    """`pattern` (with {dataset} and {cell}) for every grid cell of `dataset` (every cell if None), in grid order."""
-    return [pattern.format(dataset=c.dataset, cell=c.cell) for c in cells(dataset)]
+def cell_files(pattern, dataset=None, options=False):
+    """`pattern` (with {dataset} and {cell}) for every grid cell of `dataset` (every cell if None), in grid order
+    (`options`: for every cell of grid.options instead)."""
+    return [pattern.format(dataset=c.dataset, cell=c.cell) for c in cells(dataset, options)]
 
 
 def data_targets():
@@ -212,14 +229,14 @@ def data_targets():
 
 
 def plan_targets():
-    return [c.plan_path for c in cells()] + ["results/accounting/comparison.parquet"]
+    return [c.plan_path for c in CELLS + OPTION_CELLS] + ["results/accounting/comparison.parquet"]
 
 
 def train_targets():
     """Every run's ledger, train log and model (cells selected by random stopping: the released model in the
     cell folder), and the pretrained model when the pipeline builds it."""
     out = []
-    for c in CELLS:
+    for c in CELLS + OPTION_CELLS:
         if one_job(config, c.epsilon):
             out += model_files(f"results/runs/{c.dataset}/{c.cell}/model")
         else:
@@ -228,8 +245,9 @@ def train_targets():
 
 
 def evaluation_targets():
-    """Every cell's metrics, the pretrained model's, and each grid dataset's summary and user-group tables."""
-    return cell_files("results/runs/{dataset}/{cell}/metrics.json") + expand(
+    """Every cell's metrics (grid.options' too), the pretrained model's, and each grid dataset's summary and
+    user-group tables (and the options' summary when there are options)."""
+    return cell_files("results/runs/{dataset}/{cell}/metrics.json") + options_targets() + expand(
         [
             "results/runs/{dataset}/pretrained/metrics.json",
             "results/summary/{dataset}/metrics.parquet",
@@ -239,6 +257,16 @@ def evaluation_targets():
             "results/summary/{dataset}/groups.parquet",
             "results/summary/{dataset}/groups.csv",
         ],
+        dataset=GRID_DATASETS,
+    )
+
+
+def options_targets():
+    """The metrics of every cell of grid.options and each grid dataset's options summary (none without options)."""
+    if not OPTIONS:
+        return []
+    return cell_files("results/runs/{dataset}/{cell}/metrics.json", options=True) + expand(
+        ["results/summary/{dataset}/options.parquet", "results/summary/{dataset}/options.csv"],
         dataset=GRID_DATASETS,
     )
 

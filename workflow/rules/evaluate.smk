@@ -13,7 +13,6 @@
 
 import userdp.evaluation.targets as eval_targets
 from userdp.plotting.registry import figure_targets
-from userdp.training.targets import finetune_params
 
 # Params hold what changes the metrics: which users are evaluated (max_users,
 # seed). evaluation.batch_size and training.device change the metrics only by
@@ -118,7 +117,7 @@ if eval_targets.random_stopping(config):
             cell=layout.PRIVATE_CELL_RE,
         params:
             model=base_model,
-            settings=lambda wc: finetune_params(config, wc.dataset),
+            settings=cell_settings,
             learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
             debug_step_log=bool(config["training"]["debug_step_log"]),
             **_EVAL_PARAMS,
@@ -164,6 +163,40 @@ rule aggregate:
         "results/logs/aggregate/{dataset}.log",
     benchmark:
         "results/benchmarks/aggregate/{dataset}.tsv"
+    threads: 1
+    priority: PRIORITY["summary"]
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    conda:
+        "../envs/userdp.yaml"
+    script:
+        "../scripts/aggregate.py"
+
+
+# The cells of grid.options, summarised as rule aggregate does (one row per cell, plus its `option`); the
+# findings compare each with the grid's cell of the same dataset, method, epsilon, budget and seed.
+rule aggregate_options:
+    input:
+        plans=lambda wc: [c.plan_path for c in cells(wc.dataset, options=True)],
+        metrics=lambda wc: cell_files("results/runs/{dataset}/{cell}/metrics.json", wc.dataset, options=True),
+        ledgers=lambda wc: cell_files("results/runs/{dataset}/{cell}/ledger.json", wc.dataset, options=True),
+        train_logs=lambda wc: cell_files("results/runs/{dataset}/{cell}/train_log.parquet", wc.dataset, options=True),
+    output:
+        parquet="results/summary/{dataset}/options.parquet",
+        csv=report(
+            "results/summary/{dataset}/options.csv",
+            caption="../report/options_table.rst",
+            category="Language-model fine-tuning",
+            subcategory="{dataset}",
+            labels={"table": "metrics per option cell", "dataset": "{dataset}"},
+        ),
+    params:
+        budgets=sorted(config["grid"]["budgets"], key=lambda b: int(b["compute"])),
+    log:
+        "results/logs/aggregate/{dataset}_options.log",
+    benchmark:
+        "results/benchmarks/aggregate/{dataset}_options.tsv"
     threads: 1
     priority: PRIORITY["summary"]
     resources:

@@ -14,6 +14,8 @@ rule findings:
         users=expand("results/summary/{dataset}/users.parquet", dataset=GRID_DATASETS),
         comparison="results/accounting/comparison.parquet",
         mean_estimation="results/mean_estimation/results.parquet",
+        # claim 15 (grid.options): each grid dataset's options table, in grid order
+        options=branch(bool(OPTIONS), then=expand("results/summary/{dataset}/options.parquet", dataset=GRID_DATASETS)),
         # claim 9 reads the audit (findings.audit): the findings rule then runs it
         audit_results=branch(
             config["findings"]["audit"],

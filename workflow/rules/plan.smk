@@ -91,6 +91,27 @@ use rule plan as plan_group_sweep with:
         "results/benchmarks/plan/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}.tsv"
 
 
+# A private cell of grid.options: the plan of the option's config (calibrated to the same epsilon); eps~inf has no
+# option cells.
+use rule plan as plan_option with:
+    output:
+        "results/plan/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}.json",
+    params:
+        privacy=lambda wildcards: plan_inputs_lib.plan_privacy_params(OPTIONS[wildcards.option], wildcards.method,
+                                                                      wildcards.eps),
+        steps=lambda wildcards: grid.steps_for_budget(config, wildcards.budget),
+        reference_epsilon=None,
+        selection=plan_inputs_lib.selection_param(config),
+        group_size=None,
+    wildcard_constraints:
+        option=OPTIONS_RE,
+        eps=layout.NUMBER_RE,
+    log:
+        "results/logs/plan/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}.log",
+    benchmark:
+        "results/benchmarks/plan/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}.tsv"
+
+
 rule accounting_comparison:
     output:
         "results/accounting/comparison.parquet",

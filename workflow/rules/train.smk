@@ -111,3 +111,34 @@ use rule finetune as finetune_group with:
             if PER_CELL
             else "results/benchmarks/finetune/{dataset}/method~{method}/eps~{eps}/budget~{budget}/group~{group}/seed~{seed}/lr~{lr}.tsv"
         )
+
+
+# A private cell of grid.options: its plan and folders have the option~{option} level, its settings are the
+# option's config's (common.smk: OPTIONS).
+use rule finetune as finetune_option with:
+    input:
+        plan="results/plan/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}.json",
+        tokens="results/data/{dataset}/tokens.parquet",
+        tokenizer="results/tokenizer/tokenizer.json",
+        **PRETRAINED_INPUTS,
+    output:
+        run_files("results/runs/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"),
+    params:
+        learning_rates=[float(lr) for lr in LEARNING_RATES],
+        model=base_model,
+        settings=lambda wildcards: finetune_params(OPTIONS[wildcards.option], wildcards.dataset),
+        evaluation=evaluation_params(config),
+    wildcard_constraints:
+        option=OPTIONS_RE,
+    log:
+        (
+            "results/logs/finetune/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.log"
+            if PER_CELL
+            else "results/logs/finetune/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.log"
+        ),
+    benchmark:
+        (
+            "results/benchmarks/finetune/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}.tsv"
+            if PER_CELL
+            else "results/benchmarks/finetune/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.tsv"
+        )

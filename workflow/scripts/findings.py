@@ -12,7 +12,8 @@ def main() -> None:
     result = run(dict(sm.params.items()), list(sm.input.summaries), list(sm.input.pretrained), sm.input.comparison,
                  sm.input.mean_estimation, sm.output.json, sm.output.csv,
                  audit_results=list(getattr(sm.input, "audit_results", [])),
-                 audit_scores=list(getattr(sm.input, "audit_scores", [])), users=list(sm.input.users))
+                 audit_scores=list(getattr(sm.input, "audit_scores", [])), users=list(sm.input.users),
+                 options=list(getattr(sm.input, "options", [])))
     log.info("%s: %s", sm.output.json, ", ".join(f"{v} {k}" for k, v in result["counts"].items()))
 
 

@@ -168,17 +168,55 @@ def validate_config(config: dict, source: str = "config") -> dict:
     place (`sort_keys_in_place`). Raises ConfigError naming the first offending
     key (sorted by path). Idempotent: validating a validated config changes nothing.
     """
+    _check_against_schema(config, source)
+    _check_semantics(config, source)
+    _check_options(config, source)
+    _warn_ignored_settings(config, source)
+    _resolve_public_dataset(config)
+    sort_keys_in_place(config)
+    return config
+
+
+def _check_against_schema(config: dict, source: str) -> None:
+    """NaN/inf refused, then the schema: defaults filled in, ConfigError naming the first offending keys."""
     _check_finite(config, source)
     schema = _schema()  # read only: the validator copies the defaults it fills in
     errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         msgs = "; ".join(_describe(e) for e in errors[:5])
         raise ConfigError(f"{source}: {msgs}")
-    _check_semantics(config, source)
-    _warn_ignored_settings(config, source)
-    _resolve_public_dataset(config)
-    sort_keys_in_place(config)
-    return config
+
+
+def option_config(config: dict, option: str) -> dict:
+    """The config grid.options.<option>'s cells run with: its privacy and training keys merged over the base's
+    (a mapping merges key by key, e.g. privacy.adaptive), without grid.options."""
+    spec = config["grid"]["options"][option]
+    merged = merge_configs(config, {"privacy": spec.get("privacy") or {}, "training": spec.get("training") or {}})
+    merged["grid"]["options"] = {}
+    return merged
+
+
+def _check_options(config: dict, source: str) -> None:
+    """Each grid.options entry: its methods are grid methods; merged over the base it is a valid config that
+    differs from the base (else its cells would repeat the base's); correlated noise only with ULS."""
+    grid_methods = config["grid"]["methods"]
+    for name, spec in config["grid"]["options"].items():
+        key = f"grid.options.{name}"
+        methods = spec.get("methods") or grid_methods
+        unknown = [m for m in methods if m not in grid_methods]
+        if unknown:
+            raise ConfigError(f"{source}: {key}.methods names {unknown}, which grid.methods {grid_methods} does not "
+                              "run; an option runs a copy of the grid's own cells. Remove them from the option.")
+        merged = option_config(config, name)
+        where = f"{source}: {key} (its keys merged over the config's)"
+        _check_against_schema(merged, where)
+        _check_semantics(merged, where)
+        if merged["privacy"] == config["privacy"] and merged["training"] == config["training"]:
+            raise ConfigError(f"{source}: {key} sets nothing the config does not already set, so its cells would "
+                              "repeat the grid's; give it a privacy or training value that differs from the base's.")
+        if merged["privacy"].get("correlated_noise") is not None and "els" in methods:
+            raise ConfigError(f"{source}: {key} sets privacy.correlated_noise, which ELS cells do not use (they "
+                              "stay DP-SGD), so its ELS cells would repeat the grid's; add `methods: [uls]` to it.")
 
 
 def _resolve_public_dataset(config: dict) -> None:

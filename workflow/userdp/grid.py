@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from .errors import ConfigError
-from .layout import CELL, CELL_DIR, CELL_RE, GROUP_CELL, GROUP_PLAN, PLAN, RUN_DIR, fmt_num, parse_num, template_regex
+from .layout import (CELL, CELL_DIR, CELL_RE, GROUP_CELL, GROUP_PLAN, OPTION_CELL, OPTION_PLAN, PLAN, RUN_DIR, fmt_num,
+                     parse_num, template_regex)
 
 
 # ---------------------------------------------------------------- the grid
@@ -21,7 +22,8 @@ from .layout import CELL, CELL_DIR, CELL_RE, GROUP_CELL, GROUP_PLAN, PLAN, RUN_D
 
 @dataclass(frozen=True)
 class Cell:
-    """One fine-tuning grid cell. `group_size` is set only for G-sweep cells."""
+    """One fine-tuning grid cell. `group_size` is set only for G-sweep cells, `option` (a name of grid.options)
+    only for a private cell run with that option."""
 
     dataset: str
     method: str
@@ -30,6 +32,7 @@ class Cell:
     steps: int
     seed: int
     group_size: int | None = None
+    option: str | None = None
 
     @property
     def eps_text(self) -> str:
@@ -37,17 +40,21 @@ class Cell:
 
     def wildcards(self) -> dict[str, str | int]:
         return {"dataset": self.dataset, "method": self.method, "eps": self.eps_text, "budget": self.compute,
-                "seed": self.seed, "group": self.group_size or 0}
+                "seed": self.seed, "group": self.group_size or 0, "option": self.option or ""}
+
+    def _template(self, plain: str, group: str, option: str) -> str:
+        return group if self.group_size else option if self.option else plain
 
     @property
     def plan_path(self) -> str:
-        """The plan this cell trains with (PLAN, or GROUP_PLAN for a G-sweep cell)."""
-        return (GROUP_PLAN if self.group_size else PLAN).format(**self.wildcards())
+        """The plan this cell trains with (PLAN, GROUP_PLAN for a G-sweep cell, OPTION_PLAN for an option's)."""
+        return self._template(PLAN, GROUP_PLAN, OPTION_PLAN).format(**self.wildcards())
 
     @property
     def cell(self) -> str:
-        """The cell's folder below RUNS: the `{cell}` wildcard of CELL_DIR (CELL or GROUP_CELL formatted)."""
-        return (GROUP_CELL if self.group_size else CELL).format(**self.wildcards())
+        """The cell's folder below RUNS: the `{cell}` wildcard of CELL_DIR (CELL, GROUP_CELL or OPTION_CELL
+        formatted)."""
+        return self._template(CELL, GROUP_CELL, OPTION_CELL).format(**self.wildcards())
 
     @property
     def run_dir(self) -> str:
@@ -62,7 +69,7 @@ class Cell:
 _CELL_DIR_RE = re.compile(
     "(?:.*/)?" + template_regex(CELL_DIR, cell=CELL_RE)
 )
-_CELL_RES = tuple(re.compile(template_regex(t)) for t in (CELL, GROUP_CELL))
+_CELL_RES = tuple(re.compile(template_regex(t)) for t in (CELL, GROUP_CELL, OPTION_CELL))
 
 
 def cell_of_dir(path: str, config: Mapping | None = None, *, steps: int | None = None) -> Cell:
@@ -73,7 +80,8 @@ def cell_of_dir(path: str, config: Mapping | None = None, *, steps: int | None =
     """
     m = _CELL_DIR_RE.fullmatch(str(path).rstrip("/"))
     if m is None:
-        raise ValueError(f"{path} is not a grid cell's folder ({CELL_DIR} with {{cell}} {CELL} or {GROUP_CELL})")
+        raise ValueError(f"{path} is not a grid cell's folder ({CELL_DIR} with {{cell}} {CELL}, {GROUP_CELL} or "
+                         f"{OPTION_CELL})")
     w = next(mm.groupdict() for r in _CELL_RES if (mm := r.fullmatch(m["cell"])) is not None)
     group = w.get("group")
     if steps is None:
@@ -81,7 +89,7 @@ def cell_of_dir(path: str, config: Mapping | None = None, *, steps: int | None =
             raise TypeError("cell_of_dir needs the config (its grid.budgets) or the cell's steps")
         steps = steps_for_budget(config, w["budget"])
     return Cell(m["dataset"], w["method"], parse_num(w["eps"]), int(w["budget"]), int(steps), int(w["seed"]),
-                None if group is None else int(group))
+                None if group is None else int(group), w.get("option"))
 
 
 def grid_datasets(config: Mapping) -> list[str]:
@@ -123,6 +131,28 @@ def iter_cells(config: Mapping) -> Iterator[Cell]:
             for g in grid["group_size_sweep"]:
                 for seed in grid["seeds"]:
                     yield Cell(dataset, method, at["epsilon"], at["budget"], at["steps"], int(seed), int(g))
+
+
+def option_methods(config: Mapping, option: str) -> list[str]:
+    """The methods grid.options.<option> runs: its `methods`, or the grid's methods when it has none."""
+    methods = config["grid"]["options"][option].get("methods")
+    return list(config["grid"]["methods"] if methods is None else methods)
+
+
+def option_cells(config: Mapping) -> Iterator[Cell]:
+    """Every cell of grid.options: for each option, each private cell of the grid (dataset x the option's methods
+    x finite epsilon x budget x seed; no non-private reference, no G sweep), run with the option. Compared
+    with the grid's cell of the same (dataset, method, epsilon, budget, seed) at equal epsilon and compute."""
+    grid = config["grid"]
+    for option in grid.get("options") or {}:
+        methods = option_methods(config, option)
+        for dataset in grid_datasets(config):
+            for method in (m for m in grid["methods"] if m in methods):
+                for eps in grid["epsilons"]:
+                    for b in grid["budgets"]:
+                        for seed in grid["seeds"]:
+                            yield Cell(dataset, method, float(eps), int(b["compute"]), int(b["steps"]), int(seed),
+                                       option=option)
 
 
 def audit_budget(config: Mapping) -> tuple[int, int]:

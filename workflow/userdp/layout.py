@@ -39,6 +39,8 @@ WILDCARD_RES: dict[str, str] = {
     "seed": r"[0-9]+",
     "group": r"[0-9]+",
     "lr": NUMBER_RE,
+    # a name of grid.options (a side-by-side variant of the private cells' mechanism or optimizer)
+    "option": r"[A-Za-z][A-Za-z0-9_]*",
 }
 EPS_RE = WILDCARD_RES["eps"]
 LR_RE = WILDCARD_RES["lr"]
@@ -93,8 +95,11 @@ _SETTING = "method~{method}/eps~{eps}/budget~{budget}"
 _GROUP = "group~{group}"
 _SEED = "seed~{seed}"
 _LR = "lr~{lr}"
+_OPTION = "option~{option}"
 PLAN = "results/plan/{dataset}/" + _SETTING + ".json"
 GROUP_PLAN = "results/plan/{dataset}/" + _SETTING + "/" + _GROUP + ".json"
+# A private cell run with one of grid.options: its own plan and folder below option~{option}/.
+OPTION_PLAN = "results/plan/{dataset}/" + _OPTION + "/" + _SETTING + ".json"
 ACCOUNTING_COMPARISON = "results/accounting/comparison.parquet"
 #: The accountant memo shared by the pipeline's jobs (userdp.privacy.memo; safe to delete).
 ACCOUNTING_MEMO = "results/cache/accounting"
@@ -110,15 +115,17 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 PRETRAINED = "results/model/pretrained"
 
-# Runs: a grid cell's folder is RUNS/{cell}, {cell} being CELL or GROUP_CELL formatted (matched by CELL_RE);
-# each learning rate trains into its RUN_DIR.
+# Runs: a grid cell's folder is RUNS/{cell}, {cell} being CELL, GROUP_CELL or OPTION_CELL formatted (matched by
+# CELL_RE); each learning rate trains into its RUN_DIR.
 RUNS = "results/runs/{dataset}"
 CELL = _SETTING + "/" + _SEED
 GROUP_CELL = _SETTING + "/" + _GROUP + "/" + _SEED
+OPTION_CELL = _OPTION + "/" + CELL
 
 
 def _cell_re(eps: str) -> str:
-    return _unnamed(_SETTING, eps=eps) + "(?:/" + _unnamed(_GROUP) + ")?/" + _unnamed(_SEED)
+    return ("(?:" + _unnamed(_OPTION) + "/)?" + _unnamed(_SETTING, eps=eps) + "(?:/" + _unnamed(_GROUP) + ")?/"
+            + _unnamed(_SEED))
 
 
 CELL_RE = _cell_re(EPS_RE)
@@ -146,6 +153,8 @@ SUMMARY = SUMMARY_DIR + "/metrics.parquet"
 TRAIN_CURVES = SUMMARY_DIR + "/train_curves.parquet"
 SUMMARY_USERS = SUMMARY_DIR + "/users.parquet"
 GROUPS = SUMMARY_DIR + "/groups.parquet"
+# The cells of grid.options (one row per option cell, the summary's columns plus `option`).
+OPTIONS_SUMMARY = SUMMARY_DIR + "/options.parquet"
 
 # The synthetic mean-estimation study.
 MEAN_ESTIMATION_RESULTS = "results/mean_estimation/results.parquet"

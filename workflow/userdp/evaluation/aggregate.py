@@ -3,7 +3,8 @@
 Column names:
 - identification: dataset, method, epsilon (inf for the non-private runs),
   budget (K), steps (T), seed, group_size (G actually used), is_group_sweep,
-  run_dir;
+  run_dir; in the options' summary (options.parquet, rule aggregate_options)
+  first the cell's `option` (a name of grid.options);
 - metrics.json fields as they are (test_loss, ..., learning_rate); the
   learning-rate table `learning_rate_sweep` as JSON text;
 - every plan field prefixed `plan_`, every ledger field prefixed `ledger_`;
@@ -119,6 +120,8 @@ def cell_row(cell: Cell, plan: RunSpec, ledger: Mapping, metrics: Mapping, train
         "is_group_sweep": cell.group_size is not None,
         "run_dir": cell.run_dir,
     }
+    if cell.option:  # a cell of grid.options (its own summary: options.parquet)
+        row["option"] = cell.option
     row.update(flatten(metrics))
     row.update(seeds_columns(ledger))
     row.update(flatten(_events_as_text(clean_floats(plan.to_record())), "plan_"))
@@ -146,9 +149,10 @@ def summary_frame(rows: Iterable[dict]) -> pd.DataFrame:
     df = pd.DataFrame(list(rows))
     if df.empty:
         return pd.DataFrame(columns=ID_COLUMNS)
-    rest = [c for c in df.columns if c not in ID_COLUMNS]
-    df = df[ID_COLUMNS + rest]
-    df = df.sort_values(["is_group_sweep", "method", "epsilon", "budget", "group_size", "seed"], kind="stable")
+    ids = (["option"] if "option" in df.columns else []) + ID_COLUMNS
+    df = df[ids + [c for c in df.columns if c not in ids]]
+    df = df.sort_values(ids[:-len(ID_COLUMNS)] + ["is_group_sweep", "method", "epsilon", "budget", "group_size",
+                                                   "seed"], kind="stable")
     return _normalise(df.reset_index(drop=True))
 
 
@@ -203,7 +207,9 @@ def write_csv(path: str | os.PathLike, df: pd.DataFrame) -> None:
         df.to_csv(tmp, index=False)
 
 
-def write_summary(summary: pd.DataFrame, curves: pd.DataFrame, parquet: str, csv: str, curves_path: str) -> None:
+def write_summary(summary: pd.DataFrame, curves: pd.DataFrame, parquet: str, csv: str, curves_path: str | None) -> None:
+    """The summary as Parquet and CSV, and the curves unless `curves_path` is None."""
     write_parquet(parquet, summary)
     write_csv(csv, summary)
-    write_parquet(curves_path, curves)
+    if curves_path is not None:
+        write_parquet(curves_path, curves)

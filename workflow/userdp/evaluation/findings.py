@@ -21,6 +21,11 @@ log squared error (log(ULS error / ELS error); -0.1 = ULS about 10% lower).
 Deterministic effects (the accounting ratios, the pretrained model's loss)
 have no seed variance: their interval is the point.
 
+Claim 15 (`option_findings`) is measured once per option of grid.options and
+method: the option's test loss minus the grid's DP-SGD cell's at the same
+dataset, epsilon, budget (and seeds), mean over the private cells, by the same
+Welch contrast.
+
 Claims 11-14 (`group_findings`, who pays for privacy) are a separate block:
 differences of per-group costs of privacy (loss minus the non-private
 reference's) from the per-user tables of userdp.evaluation.groups, with 95%
@@ -439,15 +444,86 @@ def group_findings(users: Mapping[str, pd.DataFrame], settings: Mapping, seed: i
     return out
 
 
+# ------------------------------------------------------------------ options (grid.options) vs the grid's DP-SGD
+OPTIONS = "options"
+#: claim id -> the claim each option (grid.options) is measured against, once per option and method.
+OPTION_CLAIMS = {15: "the option beats DP-SGD of the same method at equal released epsilon and compute"}
+
+
+def option_findings(summaries: Mapping[str, pd.DataFrame], options: Mapping[str, pd.DataFrame],
+                    names: Sequence[str]) -> list[Finding]:
+    """Claim 15, once per option of `names` (grid.options, in config order) and method: the mean over the
+    private (dataset, epsilon, budget) cells of (option's mean test loss - the grid's DP-SGD cell's), each cell's
+    seeds a sample (Welch interval, as claims 1-4); negative = the option is better.
+
+    `summaries` / `options`: dataset -> the summary (rule aggregate) / options table (rule aggregate_options).
+    The detail gives the effect per epsilon, the noise multipliers' ratio and the released epsilons of both
+    sides (equal by construction: each option cell is planned for the same target and its ledger says so).
+    """
+    unit = "nats/token (test loss)"
+    keys = ["method", "epsilon", "budget", "dataset"]
+    base = pd.concat([s.assign(dataset=d) for d, s in summaries.items() if len(s)] or [pd.DataFrame(columns=keys)],
+                     ignore_index=True)
+    base = base[~base["is_group_sweep"].astype(bool)] if len(base) else base
+    opts = pd.concat([s.assign(dataset=d) for d, s in options.items() if len(s)] or [pd.DataFrame(columns=keys)],
+                     ignore_index=True)
+    out = []
+    for name in names:
+        mine = opts[opts["option"] == name] if "option" in opts else opts.iloc[0:0]
+        methods = [m for m in ("els", "uls") if m in set(mine.get("method", []))] or [None]
+        for method in methods:
+            rows = mine[mine["method"] == method]
+            ref = base[(base["method"] == method) & np.isfinite(base["epsilon"].astype(float))]
+            a, b = Grid(rows, keys[1:], "test_loss"), Grid(ref, keys[1:], "test_loss")
+            common = sorted(set(a.cells) & set(b.cells))
+            which = method.upper() if method else "any method"
+            claim = f"{name}: {OPTION_CLAIMS[15]} ({which})"
+            if not common:
+                out.append(Finding(15, OPTIONS, claim, None, None, None, "<", 0.0, NOT_MEASURED, "", "",
+                                   "lm_options_loss_gap", f"no cell of option {name!r} ({which}) with a grid cell of "
+                                   "the same dataset, epsilon and budget"))
+                continue
+            terms = [t for k in common for t in ((1.0 / len(common), a.cells[k]), (-1.0 / len(common), b.cells[k]))]
+            parts = []
+            for eps in sorted({k[0] for k in common}):
+                at = [k for k in common if k[0] == eps]
+                e, lo, hi = contrast([t for k in at for t in ((1.0 / len(at), a.cells[k]), (-1.0 / len(at), b.cells[k]))])
+                parts.append(f"epsilon {_fmt(eps)}: {e:+.4f} [{lo:+.4f}, {hi:+.4f}]")
+            sigma = _paired(rows, ref, "plan_noise_multiplier", lambda a, b: a / b).mean()
+            eps_gap = _paired(rows, ref, "ledger_epsilon", lambda a, b: (a - b).abs() / b).max()
+            effect, lo, hi = contrast(terms)
+            out.append(Finding(
+                15, OPTIONS, claim, effect, lo, hi, "<", 0.0, verdict(lo, hi, "<", 0.0), unit,
+                f"{len(common)} (epsilon, budget, dataset) cells, {method.upper()}, mean over cells",
+                "lm_options_loss_gap",
+                detail=(f"effect = option - DP-SGD; per epsilon: {'; '.join(parts)}; noise multiplier option / "
+                        f"DP-SGD: {sigma:.3f} (mean over cells); released epsilon (ledger) of option and DP-SGD "
+                        f"differ by at most {eps_gap:.2%} of DP-SGD's"),
+                cells=[list(map(str, k)) for k in common]))
+    return out
+
+
+def _paired(rows: pd.DataFrame, ref: pd.DataFrame, column: str, fn) -> pd.Series:
+    """fn(rows[column], ref[column]) over the cells of both with the same (dataset, epsilon, budget, seed)."""
+    k = ["dataset", "epsilon", "budget", "seed"]
+    if column not in rows or column not in ref:
+        return pd.Series([math.nan])
+    m = rows[k + [column]].merge(ref[k + [column]], on=k, suffixes=("", "_ref"))
+    return fn(pd.to_numeric(m[column], errors="coerce"), pd.to_numeric(m[column + "_ref"], errors="coerce"))
+
+
 # ------------------------------------------------------------------ the table
 def build(summaries, pretrained, diversity, sweep_point, me_results, comparison, loss_tolerance: float,
           relative_tolerance: float, name: str, audit: list[Finding] | None = None,
-          groups: tuple[Mapping[str, pd.DataFrame], Mapping, int] | None = None) -> dict:
+          groups: tuple[Mapping[str, pd.DataFrame], Mapping, int] | None = None,
+          options: tuple[Mapping[str, pd.DataFrame], Sequence[str]] | None = None) -> dict:
     """The findings table, in claim order; `audit`: the audit's findings (audit_findings, or the not-measured
     row); `groups`, if given, is (per-user table by dataset, the groups section, the seed) of
-    claims 11-14 (`group_findings`)."""
+    claims 11-14 (`group_findings`); `options`, if given, is (options table by dataset, the option names) of
+    claim 15 (`option_findings`)."""
     findings = lm_findings(summaries, pretrained, diversity, sweep_point, loss_tolerance)
     findings += group_findings(*groups) if groups is not None else []
+    findings += option_findings(summaries, *options) if options is not None else []
     findings += accounting_findings(comparison) if comparison is not None else []
     findings += me_findings(me_results, relative_tolerance) if me_results is not None else []
     findings += list(audit or [])

@@ -30,7 +30,10 @@ def params(config: Mapping) -> dict:
             "diversities": {d: diversity_of(config, d) for d in datasets},
             "group_sweep_point": grid.group_sweep_point(config),
             # claims 11-14: the groups section (as rule groups reads it) and the seed of the bootstrap draws
-            "groups": {k: v for k, v in config["groups"].items() if k != "per_user_points"}, "seed": config["seed"]}
+            "groups": {k: v for k, v in config["groups"].items() if k != "per_user_points"}, "seed": config["seed"],
+            # claim 15: grid.options' names, in config order (the options tables are in the datasets' order);
+            # only with options, so that configs without them rerun nothing
+            **({"options": list(config["grid"]["options"])} if config["grid"]["options"] else {})}
 
 
 def audit_rows(params: Mapping, audit_results: Sequence[str], audit_scores: Sequence[str]) -> list:
@@ -48,9 +51,11 @@ def audit_rows(params: Mapping, audit_results: Sequence[str], audit_scores: Sequ
 
 def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], comparison: str,
         mean_estimation: str, out_json: str, out_csv: str, audit_results: Sequence[str] = (),
-        audit_scores: Sequence[str] = (), users: Sequence[str] | None = None) -> dict:
+        audit_scores: Sequence[str] = (), users: Sequence[str] | None = None,
+        options: Sequence[str] = ()) -> dict:
     """The findings table from the finished tables; `params` as `params(config)` gives them; `users`: each
-    dataset's per-user table (claims 11-14; None leaves them out)."""
+    dataset's per-user table (claims 11-14; None leaves them out); `options`: each dataset's options table
+    (claim 15, when params["options"] names any)."""
     datasets = list(params["datasets"])
     tables = {d: read_frame(p) for d, p in zip(datasets, summaries)}
     pre = {}
@@ -65,6 +70,8 @@ def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], co
         audit=audit_rows(params, audit_results, audit_scores),
         groups=None if users is None else ({d: read_frame(p) for d, p in zip(datasets, users)},
                                            params["groups"], int(params["seed"])),
+        options=({d: read_frame(p) for d, p in zip(datasets, options)}, list(params["options"]))
+        if params.get("options") else None,
     )
     write_json(out_json, result)
     write_csv(out_csv, findings.table(result))

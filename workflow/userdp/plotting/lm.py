@@ -488,3 +488,61 @@ def _legend_below(fig: Figure, ax) -> None:
     if handles:
         ncol = min(3, len(handles))
         fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False)
+
+
+def options_loss_gap(summary: pd.DataFrame, options: pd.DataFrame, dataset: str) -> Figure:
+    """The loss gap to non-private of each option of grid.options against the grid's DP-SGD, one row of panels
+    per option and a column per compute budget: over the private epsilons, the method's mean test loss minus
+    its non-private reference's (same budget), DP-SGD in the method's style, the option dotted with diamonds.
+
+    Mean and 95% interval over seeds of the private cells (the reference is its mean over seeds).
+    """
+    main = _main(summary)
+    names = list(dict.fromkeys(options["option"])) if "option" in options and len(options) else []
+    budgets = sorted(main["budget"].unique())
+    rows, cols = max(1, len(names)), max(1, len(budgets))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.9 * rows), sharey=True, squeeze=False,
+                             layout="constrained")
+    ref = mean_over_seeds(main[np.isinf(main["epsilon"].astype(float))], ["method", "budget"])
+    private_eps = sorted(e for e in main["epsilon"].unique() if math.isfinite(e))
+
+    def gap(df: pd.DataFrame, method: str, budget: int) -> pd.DataFrame:
+        r = ref[(ref["method"] == method) & (ref["budget"] == budget)]
+        sub = df[(df["method"] == method) & (df["budget"] == budget) & np.isfinite(df["epsilon"].astype(float))]
+        if r.empty or sub.empty:
+            return pd.DataFrame(columns=["epsilon", "mean", "ci"])
+        st = mean_over_seeds(sub, ["epsilon"]).sort_values("epsilon")
+        return st.assign(mean=st["mean"] - float(r["mean"].iloc[0]))
+
+    for i, name in enumerate(names):
+        opt = options[options["option"] == name]
+        for j, budget in enumerate(budgets):
+            ax = axes[i, j]
+            for m in _method_order(opt["method"].unique()):
+                st = _style(m)
+                base, mine = gap(main, m, budget), gap(opt, m, budget)
+                if len(base):
+                    ax.errorbar(base["epsilon"], base["mean"], yerr=base["ci"], color=st["color"],
+                                marker=st["marker"], linestyle=st["linestyle"], capsize=3,
+                                label=f"DP-SGD-{SHORT.get(m, m)}")
+                if len(mine):
+                    ax.errorbar(mine["epsilon"], mine["mean"], yerr=mine["ci"], color=st["color"], marker="D",
+                                markerfacecolor="white", linestyle=":", capsize=3,
+                                label=f"{SHORT.get(m, m)} with the option")
+            ax.axhline(0.0, color="0.35", linewidth=1, linestyle="-.")
+            ax.set_xscale("log")
+            if private_eps:
+                ax.set_xticks(private_eps)
+                ax.set_xticklabels([_num(e) for e in private_eps])
+                ax.minorticks_off()
+            ax.set_title(f"{name}: {_budget_title(budget, _steps_for(main, budget))}", fontsize=9)
+            ax.set_xlabel(f"user-level privacy budget ε (log scale{_delta_note(main)})")
+            ax.grid(True, alpha=0.3)
+        axes[i, 0].set_ylabel("test loss − non-private (nats/token)")
+    if not names:
+        axes[0, 0].text(0.5, 0.5, "grid.options is empty: no option to compare", ha="center", va="center",
+                        transform=axes[0, 0].transAxes)
+    _legend_below(fig, axes.flat[0])
+    fig.suptitle(f"{dataset}: loss gap to non-private, each option vs DP-SGD at equal ε and compute "
+                 f"({_seed_note(main)}; {_rate_note(summary)})", fontsize=11)
+    return seeds_footnote(epsilon_footnote(fig, pd.concat([summary, options], ignore_index=True)), summary)

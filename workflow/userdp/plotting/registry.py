@@ -187,7 +187,12 @@ AUDIT_MECHANISM = Family("audit_mechanism", "Privacy audit", _draw_returned_figu
 # Who pays for privacy: the cost of privacy per user group (rule groups' tables), per grid dataset.
 GROUPS = Family("groups", "Who pays for privacy", _draw_returned_figure, datasets=grid.grid_datasets,
                 subcategory="{dataset}", report_formats=("png",))
-FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT, AUDIT_MECHANISM, GROUPS)}
+# The options of grid.options against the grid's DP-SGD, per grid dataset (none without options).
+OPTIONS = Family("options", "Language-model fine-tuning", _draw_returned_figure,
+                 datasets=lambda config: grid.grid_datasets(config) if config["grid"]["options"] else [],
+                 subcategory="{dataset}")
+FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT, AUDIT_MECHANISM, GROUPS,
+                                OPTIONS)}
 
 #: name -> Figure, in the order of the report.
 FIGURES: dict[str, Figure] = {}
@@ -230,6 +235,10 @@ _register(Figure("lm_loss_vs_group_size", LM, _LM_SUMMARY, "lm.loss_vs_group_siz
                  labels={"figure": "test loss vs group size G"}, params=_group_sweep_point))
 _register(Figure("training_curves", LM, {"curves": layout.TRAIN_CURVES},
                  "lm.training_curves", labels={"figure": "training curves"}))
+_register(Figure("lm_options_loss_gap", OPTIONS, {"summary": layout.SUMMARY, "options": layout.OPTIONS_SUMMARY},
+                 "lm.options_loss_gap", labels={"figure": "loss gap to non-private per option"}))
+
+
 def _per_user_points(config: Mapping) -> dict:
     # groups.per_user_points: per dataset, whether the figure draws a point per held-out test user
     mode = config["groups"]["per_user_points"]
