@@ -52,6 +52,42 @@ def test_the_update_is_the_reference_formula(noise_std):
         assert not np.allclose(q.detach().numpy(), want[-1])
 
 
+def test_a_varying_noise_subtracts_the_average_of_the_steps_variances():
+    """Adaptive clipping and banded noise change the update's noise every step: v_hat's noise part is then the
+    b2-weighted average of the steps' variances, and that is what is subtracted (a checkpoint keeps it)."""
+    rng = np.random.default_rng(1)
+    theta0 = rng.normal(size=(4, 2))
+    grads = [rng.normal(scale=0.5, size=(4, 2)) for _ in range(6)]
+    stds = [0.3, 0.1, 0.6, 0.2, 0.4, 0.05]
+    b1, b2, lr, floor = 0.8, 0.9, 0.01, 1e-6
+    theta, m, v, avg, want = theta0.copy(), 0.0, 0.0, 0.0, []
+    for t, (g, s) in enumerate(zip(grads, stds), 1):
+        m, v, avg = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g, b2 * avg + (1 - b2) * s * s
+        theta = theta - lr * (m / (1 - b1 ** t)) / np.sqrt(np.maximum(v / (1 - b2 ** t) - avg / (1 - b2 ** t),
+                                                                        floor))
+        want.append(theta.copy())
+    p = torch.nn.Parameter(torch.tensor(theta0))
+    opt = AdamBC([p], lr=lr, betas=(b1, b2), floor=floor)
+    for i, (g, s, w) in enumerate(zip(grads, stds, want)):
+        if i == 3:  # stop and resume from the state
+            saved = copy.deepcopy(opt.state_dict())
+            p = torch.nn.Parameter(p.detach().clone())
+            opt = AdamBC([p], lr=lr, betas=(b1, b2), floor=floor)
+            opt.load_state_dict(saved)
+        opt.bind_noise(s, varying=True)
+        p.grad = torch.tensor(g)
+        opt.step()
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-12, atol=1e-15)
+    # subtracting only the current step's variance (the constant formula) would have moved elsewhere
+    q = torch.nn.Parameter(torch.tensor(theta0))
+    const = AdamBC([q], lr=lr, betas=(b1, b2), floor=floor)
+    for g, s in zip(grads, stds):
+        const.noise_std, const.noise_varies = s, False
+        q.grad = torch.tensor(g)
+        const.step()
+    assert not np.allclose(q.detach().numpy(), want[-1], rtol=1e-6)
+
+
 def test_state_round_trips_and_another_plans_state_is_refused():
     p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     opt = AdamBC([p], lr=0.1, noise_std=0.2)

@@ -37,7 +37,11 @@ class AdamBC(torch.optim.Optimizer):
         theta -= lr * m_hat / sqrt(max(v_hat - Phi, floor))
 
     Plain DP-Adam's v_hat estimates E[g^2] = signal^2 + Phi: the noise dominates the denominator and Adam
-    degenerates to scaled DP-SGD; subtracting Phi restores Adam's per-coordinate scaling. noise_std None:
+    degenerates to scaled DP-SGD; subtracting Phi restores Adam's per-coordinate scaling. When the noise's
+    variance changes from step to step (`bind_noise(..., varying=True)`: adaptive clipping moves C, banded
+    DP-FTRL's marginal noise differs by step), v_hat holds the same exponential average of the steps'
+    variances, so the subtracted term is that average, Phi_avg = b2 Phi_avg + (1 - b2) Phi_t, over
+    (1 - b2^t) (equal to Phi when it is constant; the constant case computes Phi itself). noise_std None:
     not known yet (the run binds it from the plan, sigma C / (q N): the pipeline, make_private and the
     trainers do). Post-processing: no privacy cost.
     """
@@ -87,7 +91,12 @@ class AdamBC(torch.optim.Optimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(b1).add_(p.grad, alpha=1 - b1)
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                corrected = (v / (1 - b2 ** t)).sub_(phi).clamp_(min=group["floor"])
+                if self.noise_varies:  # v's noise part is the b2-average of the steps' variances
+                    state["noise_var_avg"] = b2 * state.get("noise_var_avg", 0.0) + (1 - b2) * phi
+                    noise_var = state["noise_var_avg"] / (1 - b2 ** t)
+                else:
+                    noise_var = phi
+                corrected = (v / (1 - b2 ** t)).sub_(noise_var).clamp_(min=group["floor"])
                 p.addcdiv_(m, corrected.sqrt_(), value=-group["lr"] / (1 - b1 ** t))
         return loss
 
