@@ -262,3 +262,15 @@ def test_options_run_beside_the_grid_in_a_real_run(run, tmp_path):
     assert (work / "results/figures/lm_options_loss_gap_tiny.png").stat().st_size > 10_000
     again = subprocess.run([*cmd, "-n"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+    # each option's keys reach its own jobs' params: DP-FTRL's bands its plan, DP-AdamBC's training keys its runs
+    extra.write_text("grid:\n  options:\n    bc: {training: {optimizer: adam_bc, warmup_steps: 2}}\n"
+                     "    ftrl: {methods: [uls], privacy: {correlated_noise: {bands: 3}}}\n")
+    changed = subprocess.run([*cmd, "-n"], capture_output=True, text=True, timeout=300)
+    assert changed.returncode == 0, (changed.stdout + changed.stderr)[-4000:]
+    jobs = re.findall(r"^(?:local)?rule (\w+):\n(?:    .*\n)*?    output: (\S+)", changed.stdout, flags=re.M)
+    planned = sorted(o for r, o in jobs if r == "plan_option")
+    trained = sorted(o.split("/seed~")[0] for r, o in jobs if r == "finetune_option")
+    assert planned == ["results/plan/tiny/option~ftrl/method~uls/eps~4/budget~960.json"], jobs
+    assert trained == [f"results/runs/tiny/option~{o}/method~{m}/eps~4/budget~960"
+                       for o, m in (("bc", "els"), ("bc", "uls"), ("ftrl", "uls"))], jobs
+    assert not {r for r, _ in jobs} & {"plan", "finetune", "finetune_group"}

@@ -63,8 +63,11 @@ def test_an_option_merges_over_the_base_key_by_key():
 @pytest.mark.parametrize("options, match", [
     ({"x": {"privacy": {"clipping": "adaptive", "adaptive": {"quantile": 2}}}},
      r"grid\.options\.x \(its keys merged over the config's\): config key 'privacy\.adaptive\.quantile'"),
-    ({"same": {"training": {"optimizer": "adam"}}}, r"grid\.options\.same sets nothing the config does not"),
-    ({"ftrl": {"privacy": {"correlated_noise": {"bands": 4}}}}, r"grid\.options\.ftrl .*add `methods: \[uls\]`"),
+    ({"same": {"training": {"optimizer": "adam"}}}, r"grid\.options\.same changes nothing in its ELS/ULS cells"),
+    ({"ftrl": {"privacy": {"correlated_noise": {"bands": 4}}}},
+     r"grid\.options\.ftrl changes nothing in its ELS cells.*`methods: \['uls'\]` only"),
+    # adaptive's settings without adaptive clipping change no plan
+    ({"q": {"privacy": {"adaptive": {"quantile": 0.7}}}}, r"grid\.options\.q changes nothing in its ELS/ULS"),
     ({"ftrl": {"privacy": {"correlated_noise": {"bands": 1}}}, "methods": ["uls"]}, r"grid\.options"),
     ({"m": {"methods": ["foo"], "training": {"optimizer": "sgd"}}}, r"grid\.options\.m\.methods"),
     ({"1a": {"training": {"optimizer": "sgd"}}}, r"'grid\.options'.*'1a' does not match"),
@@ -75,6 +78,17 @@ def test_an_option_merges_over_the_base_key_by_key():
 def test_bad_options_are_refused_naming_the_key(options, match):
     with pytest.raises(ConfigError, match=match):
         _config(options)
+
+
+def test_an_option_is_judged_by_what_its_cells_read():
+    """Allowed: an option that changes ELS cells through one key and ULS cells through another, and any option
+    beside a base that already uses DP-FTRL (its ELS cells stay DP-SGD)."""
+    both = _config({"x": {"privacy": {"correlated_noise": {"bands": 2}}, "training": {"optimizer": "adam_bc"}}})
+    assert {c.method for c in grid.option_cells(both)} == {"els", "uls"}
+    c = validate_config({"datasets": {"toy": {"source": "synthetic"}},
+                         "privacy": {"correlated_noise": {"bands": 2}},
+                         "grid": {"options": {"bc": {"training": {"optimizer": "adam_bc"}}}}})
+    assert {x.method for x in grid.option_cells(c)} == {"els", "uls"}
 
 
 def test_an_option_with_a_method_the_grid_does_not_run_is_refused():
@@ -184,32 +198,48 @@ def _tables(effect: dict[str, float], noise: float = 0.0, seeds=(0, 1, 2), metho
 
 def test_claim_15_reads_off_the_option_minus_dp_sgd_with_an_interval():
     summaries, options = _tables({"els": -0.05, "uls": 0.04}, noise=0.005)
-    rows = findings.option_findings(summaries, options, ["x"])
+    rows = findings.option_findings(summaries, options, {"x": ["els", "uls"]})
     assert [(f.claim_id, f.domain) for f in rows] == [(15, findings.OPTIONS)] * 2
     els, uls = rows
     assert "(ELS)" in els.claim and els.claim.startswith("x: ")
     assert els.effect == pytest.approx(-0.05, abs=0.01) and els.ci_high < 0 and els.verdict == findings.REPRODUCED
     assert uls.effect == pytest.approx(0.04, abs=0.01) and uls.ci_low > 0 and uls.verdict == findings.NOT_REPRODUCED
     assert len(els.cells) == 4  # 2 epsilons x 2 budgets, one dataset
-    assert "noise multiplier option / DP-SGD: 1.250" in els.detail and "epsilon 1:" in els.detail
+    assert "noise multiplier option / grid: 1.250" in els.detail and "epsilon 1:" in els.detail
+    assert "differ by at most 0.00%" in els.detail and "left out" not in els.detail
     assert els.figure == "lm_options_loss_gap"
+
+
+def test_claim_15_says_which_cells_and_seeds_it_left_out():
+    summaries, options = _tables({"els": -0.05}, noise=0.005, methods=("els",))
+    opt = options["toy"].copy()
+    opt.loc[opt.index[0], "test_loss"] = math.nan  # a diverged seed
+    opt = opt[~((opt["epsilon"] == 8.0) & (opt["budget"] == 400))]  # a cell that never ran
+    (f,) = findings.option_findings(summaries, {"toy": opt}, {"x": ["els"]})
+    assert len(f.cells) == 3 and f.verdict == findings.REPRODUCED
+    assert "1 of the grid's 4 private cells have no finite option and grid values" in f.detail
+    assert "1 non-finite seed value(s) left out" in f.detail
+    # G-sweep rows of the summary are not the grid's cells of the comparison
+    sweep = summaries["toy"].assign(is_group_sweep=True, test_loss=99.0)
+    (g,) = findings.option_findings({"toy": pd.concat([summaries["toy"], sweep])}, options, {"x": ["els"]})
+    assert g.effect == pytest.approx(-0.05, abs=0.01)
 
 
 def test_claim_15_is_inconclusive_when_seed_noise_hides_the_effect():
     summaries, options = _tables({"els": 0.001}, noise=0.2)
-    (f,) = findings.option_findings(summaries, options, ["x"])  # ELS only: the option runs no ULS cell
+    (f,) = findings.option_findings(summaries, options, {"x": ["els"]})
     assert "(ELS)" in f.claim
     assert f.ci_low < 0 < f.ci_high and f.verdict == findings.INCONCLUSIVE
 
 
 def test_claim_15_is_not_measured_without_matching_cells_and_one_seed_is_inconclusive():
     summaries, options = _tables({"uls": -0.1}, methods=("uls",))
-    rows = findings.option_findings(summaries, {"toy": options["toy"].assign(budget=999)}, ["x"])
-    assert [f.verdict for f in rows] == [findings.NOT_MEASURED] and "no cell of option 'x' (ULS)" in rows[0].detail
-    (f,) = findings.option_findings(summaries, options, ["absent"])
-    assert f.verdict == findings.NOT_MEASURED and "(any method)" in f.detail
+    rows = findings.option_findings(summaries, {"toy": options["toy"].assign(budget=999)}, {"x": ["uls"]})
+    assert [f.verdict for f in rows] == [findings.NOT_MEASURED] and "no ULS cell of option 'x'" in rows[0].detail
+    (f,) = findings.option_findings(summaries, options, {"absent": ["uls"]})
+    assert f.verdict == findings.NOT_MEASURED and "no ULS cell of option 'absent'" in f.detail
     summaries, options = _tables({"uls": -0.1}, seeds=(0,), methods=("uls",))
-    (f,) = findings.option_findings(summaries, options, ["x"])
+    (f,) = findings.option_findings(summaries, options, {"x": ["uls"]})
     assert f.verdict == findings.INCONCLUSIVE and math.isinf(f.ci_high)  # one seed: no variance, no claim
 
 
@@ -217,11 +247,12 @@ def test_the_findings_table_has_claim_15_only_with_options():
     from userdp.evaluation import findings_job
 
     c = _config()
-    assert findings_job.params(c)["options"] == ["bc", "clip", "ftrl"]  # validation sorts every mapping's keys
+    # validation sorts every mapping's keys
+    assert findings_job.params(c)["options"] == {"bc": ["els", "uls"], "clip": ["els", "uls"], "ftrl": ["uls"]}
     assert "options" not in findings_job.params(validate_config({"datasets": {"toy": {"source": "synthetic"}}}))
     summaries, options = _tables({"els": -0.05, "uls": 0.04}, noise=0.005)
     table = findings.build(summaries, {"toy": 4.0}, {"toy": None}, {"epsilon": 1.0, "budget": 100}, None, None,
-                           0.01, 0.05, "t", options=(options, ["x"]))
+                           0.01, 0.05, "t", options=(options, {"x": ["els", "uls"]}))
     assert sum(f["claim_id"] == 15 for f in table["findings"]) == 2
     table = findings.build(summaries, {"toy": 4.0}, {"toy": None}, {"epsilon": 1.0, "budget": 100}, None, None,
                            0.01, 0.05, "t")
@@ -252,6 +283,24 @@ def test_the_loss_gap_figure_has_a_row_per_option_and_a_column_per_budget():
     assert gaps["ELS with the option"] - gaps["DP-SGD-ELS"] == pytest.approx([-0.05, -0.05], abs=0.01)
     assert gaps["ULS with the option"] - gaps["DP-SGD-ULS"] == pytest.approx([0.04, 0.04], abs=0.01)
     plt.close(fig)
+    # without non-private references there is no gap: the figure says so instead of empty panels
+    fig = options_loss_gap(summaries["toy"][np.isfinite(summaries["toy"]["epsilon"])], two, "toy")
+    assert any("grid.nonprivate: false" in t.get_text() for t in fig.axes[0].texts)
+    assert not any(a.containers for a in fig.axes)
+    plt.close(fig)
     assert FIGURES["lm_options_loss_gap"].family.name == "options"
     assert "results/figures/lm_options_loss_gap_toy.png" in figure_targets(_config())
     assert not any("options" in t for t in figure_targets(validate_config({"datasets": {"toy": {"source": "synthetic"}}})))
+
+
+def test_an_options_runs_draw_their_own_samples_and_noise():
+    """An option's run is another released model of the same cell: it must not share the grid run's Poisson
+    samples and noise (they would cancel between the two models; training.run_seeds), while the grid's own
+    seeds stay as they were."""
+    from userdp.training.run_seeds import run_seeds
+
+    base = run_seeds(0, 1, "toy", "uls", "1", 100, 1, 0.001)
+    assert run_seeds(0, 1, "toy", "uls", "1", 100, 1, 0.001, option=None) == base
+    bc, ftrl = (run_seeds(0, 1, "toy", "uls", "1", 100, 1, 0.001, option=o) for o in ("bc", "ftrl"))
+    for k in ("sampler", "noise", "torch"):
+        assert len({base[k], bc[k], ftrl[k]}) == 3, k

@@ -188,12 +188,18 @@ OPTIONS = {name: option_config(config, name) for name in config["grid"]["options
 OPTIONS_RE = layout.names_regex(list(OPTIONS))
 
 
-def cell_settings(wildcards):
-    """A fine-tuning job's `settings` param (userdp.training.targets.finetune_params) for the cell in a {cell}
-    wildcard: from its option's config (grid.options) when it has one."""
+def finetune_settings(wildcards):
+    """A fine-tuning job's `settings` param (userdp.training.targets.finetune_params): from the config, or from
+    the option's config (OPTIONS) for a cell of grid.options (its {option} wildcard, or the option level of
+    its {cell} wildcard)."""
     from userdp.training.targets import finetune_params
 
-    option = grid.cell_of_dir(f"results/runs/{wildcards.dataset}/{wildcards.cell}", config).option
+    option = wildcards.get("option")
+    if option is None and "cell" in wildcards.keys():
+        option = grid.cell_of_dir(f"results/runs/{wildcards.dataset}/{wildcards.cell}", config).option
+    if option and option not in OPTIONS:
+        raise ConfigError(f"option~{option} is not an entry of grid.options (defined: {sorted(OPTIONS)}); add it "
+                          "to the config or fix the target path.")
     return finetune_params(OPTIONS[option] if option else config, wildcards.dataset)
 
 

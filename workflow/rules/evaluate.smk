@@ -117,7 +117,7 @@ if eval_targets.random_stopping(config):
             cell=layout.PRIVATE_CELL_RE,
         params:
             model=base_model,
-            settings=cell_settings,
+            settings=finetune_settings,
             learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
             debug_step_log=bool(config["training"]["debug_step_log"]),
             **_EVAL_PARAMS,

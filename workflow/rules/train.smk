@@ -5,7 +5,7 @@
 # evaluation. With training.sweep_jobs: per_run, a job per run folder instead ({lr} wildcard; common.smk:
 # run_files).
 from userdp.evaluation.targets import evaluation_params
-from userdp.training.targets import finetune_params, finetune_runtime, pretrain_params
+from userdp.training.targets import finetune_runtime, pretrain_params
 
 
 # Params hold exactly the settings that change a rule's result (userdp.training.targets.finetune_params,
@@ -57,7 +57,7 @@ rule finetune:
         # or in a rerun of an unchanged run, is restored from its finished/ record)
         learning_rates=[float(lr) for lr in LEARNING_RATES],
         model=base_model,
-        settings=lambda wildcards: finetune_params(config, wildcards.dataset),
+        settings=finetune_settings,
         # what changes the metrics: which held-out users (max_users, seed) and splits (validation users only
         # where the cell chooses among several rates: evaluation.validation); changing it reruns the job, which
         # restores its finished runs and evaluates them again
@@ -126,7 +126,7 @@ use rule finetune as finetune_option with:
     params:
         learning_rates=[float(lr) for lr in LEARNING_RATES],
         model=base_model,
-        settings=lambda wildcards: finetune_params(OPTIONS[wildcards.option], wildcards.dataset),
+        settings=finetune_settings,
         evaluation=evaluation_params(config),
     wildcard_constraints:
         option=OPTIONS_RE,

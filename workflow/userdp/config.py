@@ -197,13 +197,19 @@ def option_config(config: dict, option: str) -> dict:
 
 
 def _check_options(config: dict, source: str) -> None:
-    """Each grid.options entry: its methods are grid methods; merged over the base it is a valid config that
-    differs from the base (else its cells would repeat the base's); correlated noise only with ULS."""
+    """Each grid.options entry: its methods are grid methods; merged over the base it is a valid config; and for
+    each of its methods it changes what a private cell's plan or runs read (privacy.targets.plan_privacy_params,
+    training.targets.finetune_params), else those cells would repeat the grid's."""
+    from .grid import grid_datasets, option_methods
+    from .layout import fmt_num
+    from .privacy.targets import plan_privacy_params
+    from .training.targets import finetune_params
+
     grid_methods = config["grid"]["methods"]
-    for name, spec in config["grid"]["options"].items():
+    for name in config["grid"]["options"]:
         key = f"grid.options.{name}"
-        methods = spec.get("methods") or grid_methods
-        unknown = [m for m in methods if m not in grid_methods]
+        methods = option_methods(config, name)
+        unknown = [m for m in config["grid"]["options"][name].get("methods") or [] if m not in grid_methods]
         if unknown:
             raise ConfigError(f"{source}: {key}.methods names {unknown}, which grid.methods {grid_methods} does not "
                               "run; an option runs a copy of the grid's own cells. Remove them from the option.")
@@ -211,12 +217,18 @@ def _check_options(config: dict, source: str) -> None:
         where = f"{source}: {key} (its keys merged over the config's)"
         _check_against_schema(merged, where)
         _check_semantics(merged, where)
-        if merged["privacy"] == config["privacy"] and merged["training"] == config["training"]:
-            raise ConfigError(f"{source}: {key} sets nothing the config does not already set, so its cells would "
-                              "repeat the grid's; give it a privacy or training value that differs from the base's.")
-        if merged["privacy"].get("correlated_noise") is not None and "els" in methods:
-            raise ConfigError(f"{source}: {key} sets privacy.correlated_noise, which ELS cells do not use (they "
-                              "stay DP-SGD), so its ELS cells would repeat the grid's; add `methods: [uls]` to it.")
+        if merged["training"] != config["training"]:
+            _warn_ignored_settings(merged, where)
+        eps, dataset = fmt_num(config["grid"]["epsilons"][0]), grid_datasets(config)[0]
+        same = [m for m in methods if plan_privacy_params(merged, m, eps) == plan_privacy_params(config, m, eps)
+                and finetune_params(merged, dataset) == finetune_params(config, dataset)]
+        if same:
+            fix = (f"run it with `methods: {[m for m in methods if m not in same]}` only" if len(same) < len(methods)
+                   else "give it a privacy or training value that changes the cells")
+            raise ConfigError(
+                f"{source}: {key} changes nothing in its {'/'.join(m.upper() for m in same)} cells: their plans and "
+                "training settings would be the grid's (privacy.correlated_noise applies to ULS only, "
+                f"privacy.adaptive only with clipping: adaptive), so they would repeat the grid's runs; {fix}.")
 
 
 def _resolve_public_dataset(config: dict) -> None:

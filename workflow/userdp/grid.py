@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
 from .errors import ConfigError
@@ -134,25 +134,19 @@ def iter_cells(config: Mapping) -> Iterator[Cell]:
 
 
 def option_methods(config: Mapping, option: str) -> list[str]:
-    """The methods grid.options.<option> runs: its `methods`, or the grid's methods when it has none."""
+    """The methods grid.options.<option> runs, in grid.methods order: its `methods`, or every grid method."""
     methods = config["grid"]["options"][option].get("methods")
-    return list(config["grid"]["methods"] if methods is None else methods)
+    return [m for m in config["grid"]["methods"] if methods is None or m in methods]
 
 
 def option_cells(config: Mapping) -> Iterator[Cell]:
     """Every cell of grid.options: for each option, each private cell of the grid (dataset x the option's methods
     x finite epsilon x budget x seed; no non-private reference, no G sweep), run with the option. Compared
     with the grid's cell of the same (dataset, method, epsilon, budget, seed) at equal epsilon and compute."""
-    grid = config["grid"]
-    for option in grid.get("options") or {}:
+    private = [c for c in iter_cells(config) if math.isfinite(c.epsilon) and c.group_size is None]
+    for option in config["grid"].get("options") or {}:
         methods = option_methods(config, option)
-        for dataset in grid_datasets(config):
-            for method in (m for m in grid["methods"] if m in methods):
-                for eps in grid["epsilons"]:
-                    for b in grid["budgets"]:
-                        for seed in grid["seeds"]:
-                            yield Cell(dataset, method, float(eps), int(b["compute"]), int(b["steps"]), int(seed),
-                                       option=option)
+        yield from (replace(c, option=option) for c in private if c.method in methods)
 
 
 def audit_budget(config: Mapping) -> tuple[int, int]:

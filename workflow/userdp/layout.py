@@ -124,8 +124,8 @@ OPTION_CELL = _OPTION + "/" + CELL
 
 
 def _cell_re(eps: str) -> str:
-    return ("(?:" + _unnamed(_OPTION) + "/)?" + _unnamed(_SETTING, eps=eps) + "(?:/" + _unnamed(_GROUP) + ")?/"
-            + _unnamed(_SEED))
+    setting, seed = _unnamed(_SETTING, eps=eps), _unnamed(_SEED)
+    return (f"(?:{_unnamed(_OPTION)}/{setting}/{seed}|{setting}(?:/{_unnamed(_GROUP)})?/{seed})")
 
 
 CELL_RE = _cell_re(EPS_RE)

@@ -447,18 +447,21 @@ def group_findings(users: Mapping[str, pd.DataFrame], settings: Mapping, seed: i
 # ------------------------------------------------------------------ options (grid.options) vs the grid's DP-SGD
 OPTIONS = "options"
 #: claim id -> the claim each option (grid.options) is measured against, once per option and method.
-OPTION_CLAIMS = {15: "the option beats DP-SGD of the same method at equal released epsilon and compute"}
+OPTION_CLAIMS = {15: "the option beats the grid's runs of the same method (DP-SGD in the study) at equal released "
+                     "epsilon and compute"}
 
 
 def option_findings(summaries: Mapping[str, pd.DataFrame], options: Mapping[str, pd.DataFrame],
-                    names: Sequence[str]) -> list[Finding]:
-    """Claim 15, once per option of `names` (grid.options, in config order) and method: the mean over the
-    private (dataset, epsilon, budget) cells of (option's mean test loss - the grid's DP-SGD cell's), each cell's
-    seeds a sample (Welch interval, as claims 1-4); negative = the option is better.
+                    methods: Mapping[str, Sequence[str]]) -> list[Finding]:
+    """Claim 15, once per option of grid.options and method it runs (`methods`: option -> its methods, in
+    config order): the mean over the private (dataset, epsilon, budget) cells of (the option's mean test loss
+    - the grid's cell's), each cell's seeds a sample (Welch interval, as claims 1-4; the option's runs draw
+    their own samples and noise, so the two sides are independent); negative = the option is better.
 
     `summaries` / `options`: dataset -> the summary (rule aggregate) / options table (rule aggregate_options).
-    The detail gives the effect per epsilon, the noise multipliers' ratio and the released epsilons of both
-    sides (equal by construction: each option cell is planned for the same target and its ledger says so).
+    The detail gives the effect per epsilon, the noise multipliers' ratio, the largest relative difference of
+    the released epsilons (ledgers) of paired cells, and which cells or seeds are missing or not finite (left
+    out of the contrast, never silently).
     """
     unit = "nats/token (test loss)"
     keys = ["method", "epsilon", "budget", "dataset"]
@@ -468,20 +471,25 @@ def option_findings(summaries: Mapping[str, pd.DataFrame], options: Mapping[str,
     opts = pd.concat([s.assign(dataset=d) for d, s in options.items() if len(s)] or [pd.DataFrame(columns=keys)],
                      ignore_index=True)
     out = []
-    for name in names:
+    for name, option_methods in methods.items():
         mine = opts[opts["option"] == name] if "option" in opts else opts.iloc[0:0]
-        methods = [m for m in ("els", "uls") if m in set(mine.get("method", []))] or [None]
-        for method in methods:
+        for method in option_methods:
             rows = mine[mine["method"] == method]
             ref = base[(base["method"] == method) & np.isfinite(base["epsilon"].astype(float))]
             a, b = Grid(rows, keys[1:], "test_loss"), Grid(ref, keys[1:], "test_loss")
             common = sorted(set(a.cells) & set(b.cells))
-            which = method.upper() if method else "any method"
-            claim = f"{name}: {OPTION_CLAIMS[15]} ({which})"
+            claim = f"{name}: {OPTION_CLAIMS[15]} ({method.upper()})"
+            expected = {tuple(k) for k in ref[keys[1:]].drop_duplicates().itertuples(index=False)}
+            left_out = [f"{len(expected - set(common))} of the grid's {len(expected)} private cells have no finite "
+                        "option and grid values"] if expected - set(common) else []
+            bad = sum(int((~np.isfinite(pd.to_numeric(df["test_loss"], errors="coerce"))).sum())
+                      for df in (rows, ref) if "test_loss" in df)
+            left_out += [f"{bad} non-finite seed value(s) left out"] if bad else []
             if not common:
                 out.append(Finding(15, OPTIONS, claim, None, None, None, "<", 0.0, NOT_MEASURED, "", "",
-                                   "lm_options_loss_gap", f"no cell of option {name!r} ({which}) with a grid cell of "
-                                   "the same dataset, epsilon and budget"))
+                                   "lm_options_loss_gap", f"no {method.upper()} cell of option {name!r} with a grid "
+                                   "cell of the same dataset, epsilon and budget (run the option's cells: "
+                                   "snakemake --cores N)"))
                 continue
             terms = [t for k in common for t in ((1.0 / len(common), a.cells[k]), (-1.0 / len(common), b.cells[k]))]
             parts = []
@@ -489,16 +497,17 @@ def option_findings(summaries: Mapping[str, pd.DataFrame], options: Mapping[str,
                 at = [k for k in common if k[0] == eps]
                 e, lo, hi = contrast([t for k in at for t in ((1.0 / len(at), a.cells[k]), (-1.0 / len(at), b.cells[k]))])
                 parts.append(f"epsilon {_fmt(eps)}: {e:+.4f} [{lo:+.4f}, {hi:+.4f}]")
-            sigma = _paired(rows, ref, "plan_noise_multiplier", lambda a, b: a / b).mean()
-            eps_gap = _paired(rows, ref, "ledger_epsilon", lambda a, b: (a - b).abs() / b).max()
+            sigma = _paired(rows, ref, "plan_noise_multiplier", lambda x, y: x / y).mean()
+            eps_gap = _paired(rows, ref, "ledger_epsilon", lambda x, y: (x - y).abs() / y).max()
             effect, lo, hi = contrast(terms)
             out.append(Finding(
                 15, OPTIONS, claim, effect, lo, hi, "<", 0.0, verdict(lo, hi, "<", 0.0), unit,
                 f"{len(common)} (epsilon, budget, dataset) cells, {method.upper()}, mean over cells",
                 "lm_options_loss_gap",
-                detail=(f"effect = option - DP-SGD; per epsilon: {'; '.join(parts)}; noise multiplier option / "
-                        f"DP-SGD: {sigma:.3f} (mean over cells); released epsilon (ledger) of option and DP-SGD "
-                        f"differ by at most {eps_gap:.2%} of DP-SGD's"),
+                detail="; ".join([f"effect = option - grid; per epsilon: {'; '.join(parts)}",
+                                  f"noise multiplier option / grid: {sigma:.3f} (mean over cells)",
+                                  f"released epsilon (ledger) of option and grid differ by at most {eps_gap:.2%}",
+                                  *left_out]),
                 cells=[list(map(str, k)) for k in common]))
     return out
 
@@ -516,11 +525,11 @@ def _paired(rows: pd.DataFrame, ref: pd.DataFrame, column: str, fn) -> pd.Series
 def build(summaries, pretrained, diversity, sweep_point, me_results, comparison, loss_tolerance: float,
           relative_tolerance: float, name: str, audit: list[Finding] | None = None,
           groups: tuple[Mapping[str, pd.DataFrame], Mapping, int] | None = None,
-          options: tuple[Mapping[str, pd.DataFrame], Sequence[str]] | None = None) -> dict:
+          options: tuple[Mapping[str, pd.DataFrame], Mapping[str, Sequence[str]]] | None = None) -> dict:
     """The findings table, in claim order; `audit`: the audit's findings (audit_findings, or the not-measured
     row); `groups`, if given, is (per-user table by dataset, the groups section, the seed) of
-    claims 11-14 (`group_findings`); `options`, if given, is (options table by dataset, the option names) of
-    claim 15 (`option_findings`)."""
+    claims 11-14 (`group_findings`); `options`, if given, is (options table by dataset, each option's methods)
+    of claim 15 (`option_findings`)."""
     findings = lm_findings(summaries, pretrained, diversity, sweep_point, loss_tolerance)
     findings += group_findings(*groups) if groups is not None else []
     findings += option_findings(summaries, *options) if options is not None else []

@@ -31,9 +31,10 @@ def params(config: Mapping) -> dict:
             "group_sweep_point": grid.group_sweep_point(config),
             # claims 11-14: the groups section (as rule groups reads it) and the seed of the bootstrap draws
             "groups": {k: v for k, v in config["groups"].items() if k != "per_user_points"}, "seed": config["seed"],
-            # claim 15: grid.options' names, in config order (the options tables are in the datasets' order);
-            # only with options, so that configs without them rerun nothing
-            **({"options": list(config["grid"]["options"])} if config["grid"]["options"] else {})}
+            # claim 15: each option of grid.options and its methods (the options tables are in the datasets'
+            # order); only with options, so that configs without them rerun nothing
+            **({"options": {o: grid.option_methods(config, o) for o in config["grid"]["options"]}}
+               if config["grid"]["options"] else {})}
 
 
 def audit_rows(params: Mapping, audit_results: Sequence[str], audit_scores: Sequence[str]) -> list:
@@ -70,7 +71,7 @@ def run(params: Mapping, summaries: Sequence[str], pretrained: Sequence[str], co
         audit=audit_rows(params, audit_results, audit_scores),
         groups=None if users is None else ({d: read_frame(p) for d, p in zip(datasets, users)},
                                            params["groups"], int(params["seed"])),
-        options=({d: read_frame(p) for d, p in zip(datasets, options)}, list(params["options"]))
+        options=({d: read_frame(p) for d, p in zip(datasets, options)}, dict(params["options"]))
         if params.get("options") else None,
     )
     write_json(out_json, result)

@@ -80,6 +80,7 @@ class RandomStoppingJob:
     budget: str
     seed: int
     group: int = 0
+    option: str | None = None  # the grid.options entry of the cell (part of its runs' seeds and of the draw's)
     threads: int = 1
     processes: int = 0
     log: str | None = None
@@ -124,6 +125,7 @@ def _train(job: RandomStoppingJob, trial: int, learning_rate: float, run_dir: Pa
         config=job.config, plan=job.plan, tokens=job.tokens, tokenizer=job.tokenizer, model=job.model,
         run_dir=str(run_dir), learning_rate=learning_rate, dataset=job.dataset, method=job.method, eps=job.eps,
         budget=job.budget, seed=int(job.seed), threads=int(job.threads), log=job.log, trial=trial,
+        option=job.option,
     ), processes=int(job.processes))
 
 
@@ -169,7 +171,8 @@ def run_cell(job: RandomStoppingJob, *, out_metrics: str, out_ledger: str, out_t
         log.info("resuming the selection after %d finished run(s)", len(state["done"]))
     else:
         seed = derive_seed(int(job.config["seed"]), job.dataset, job.method, job.eps, int(job.budget),
-                           int(job.group), int(job.seed), "random_stopping")
+                           int(job.group), int(job.seed), "random_stopping", *(("option", job.option)
+                                                                                if job.option else ()))
         state = draw(selection, candidates, secret, seed) | {"candidates": candidates,
                                                              "selection": selection.record(), "secret": secret}
         _write_state(state_path, state)
@@ -256,5 +259,5 @@ def job_from_cell(config: dict, cell: grid.Cell, **paths: Any) -> RandomStopping
     """The job of a grid cell (its wildcards from grid.Cell) with the rule's input paths."""
     return RandomStoppingJob(config=config, dataset=cell.dataset, method=cell.method, eps=cell.eps_text,
                              budget=str(cell.compute), seed=int(cell.seed), group=int(cell.group_size or 0),
-                             cell_dir=cell.run_dir, **paths)
+                             option=cell.option, cell_dir=cell.run_dir, **paths)
 

@@ -59,6 +59,7 @@ class FinetuneJob:
     threads: int = 1
     log: str | None = None   # the rule's log file
     trial: int | None = None  # the run's index in a random-stopping cell (part of its seeds), else None
+    option: str | None = None  # the grid.options entry of the run's cell (part of its seeds), else None
 
 
 def clear_stale_outputs(run_dir: Path) -> None:
@@ -108,6 +109,7 @@ class RunInputs:
     secret: bool
     log: str | None = None
     trial: int | None = None
+    option: str | None = None  # the grid.options entry of the run's cell (part of its seeds)
     lora: Any = None  # a peft LoraConfig given to userdp.fine_tune (used instead of model.lora), or None
 
 
@@ -119,7 +121,8 @@ def train_run(run: RunInputs, dist: distributed.DistContext | None = None) -> en
                             config["tokenizer"]["sequence_length"])
     settings = TrainSettings.from_config(config, float(run.learning_rate))
     seeds = run_seeds.run_seeds(config["seed"], int(run.seed), run.dataset, run.method, run.eps, run.budget,
-                             run.spec.group_size, float(run.learning_rate), secret=run.secret, trial=run.trial)
+                             run.spec.group_size, float(run.learning_rate), secret=run.secret, trial=run.trial,
+                                option=run.option)
     pad_id = models.special_ids(run.tokenizer)["pad_token_id"]
     return engine.train(model, run.pool, run.spec, settings, run_state.RunPaths(run.run_dir, run.log), seeds, pad_id,
                         dist=dist)
@@ -138,6 +141,7 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
         config=config, spec=spec, pool=train_pool, tokenizer=tokenizer, model=job.model, run_dir=job.run_dir,
         learning_rate=job.learning_rate, dataset=job.dataset, method=job.method, eps=job.eps, budget=job.budget,
         seed=job.seed, secret=seed_secrecy.secret_seeds(config, job.dataset), log=job.log, trial=job.trial,
+        option=job.option,
     ), dist)
     if not outcome.complete:
         raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{spec.steps}")
