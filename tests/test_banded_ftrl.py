@@ -115,6 +115,37 @@ def test_plan_cell_samples_one_partition_and_calibrates_its_rounds():
         RunSpec.from_record(edited, "plan.json")
 
 
+def test_the_snr_rule_predicts_with_the_banded_mechanism():
+    """Under banded DP-FTRL the SNR rule's sigma(G) is the cell's own mechanism's (BandedULS at p = b q_u), so
+    the G it chooses is the one that maximises the banded run's signal-to-noise; a candidate whose rate within
+    a partition would exceed 1 is skipped. Without correlated noise the table is DP-SGD's, as before."""
+    from userdp.privacy.calibration import calibrate
+    from userdp.privacy.planner import plan_cell
+
+    counts = np.array([1, 2, 3, 5, 8, 13, 21, 30] * 60)
+    common = dict(dataset="d", method="uls", epsilon=2.0, compute_budget=4000, steps=20, counts=counts)
+    flat = plan_cell(**common, privacy={"clip_norm": 1.0})
+    plan = plan_cell(**common, privacy={"clip_norm": 1.0, "correlated_noise": {"bands": 4}})
+    assert plan.group_size_rule.startswith("snr") and flat.group_size_rule.startswith("snr")
+    by_g = {r["group_size"]: r for r in plan.group_size_candidates}
+    flat_by_g = {r["group_size"]: r for r in flat.group_size_candidates}
+    assert by_g.keys() == flat_by_g.keys() and len(by_g) >= 3
+    skipped = [g for g, r in by_g.items() if r["skipped"]]
+    for g, r in by_g.items():
+        q_u = flat_by_g[g]["sampling_rate"]
+        assert r["sampling_rate"] == pytest.approx(4 * q_u) and r["expected_batch"] == flat_by_g[g]["expected_batch"]
+        if 4 * q_u > 1:
+            assert r["skipped"].startswith("sampling rate > 1 (the rate within one of 4 partitions)")
+            continue
+        want = calibrate(mechanism.BandedULS(4 * q_u, 20, 1, bands=4), 2.0, plan.delta, tolerance=3e-3,
+                         discretization=1e-3).noise_multiplier
+        assert r["noise_multiplier"] == pytest.approx(want, rel=1e-12)
+        assert r["noise_multiplier"] != pytest.approx(flat_by_g[g]["noise_multiplier"], rel=1e-3)
+    assert skipped and not any(r["skipped"] for r in flat.group_size_candidates if r["group_size"] in skipped)
+    best = max((r for r in by_g.values() if r["snr"] is not None), key=lambda r: (r["snr"], -r["group_size"]))
+    assert plan.group_size == best["group_size"]
+
+
 def test_privacy_correlated_noise_changes_only_private_uls_plans():
     from userdp.config import validate_config
     from userdp.privacy.targets import plan_privacy_params

@@ -31,6 +31,7 @@ from ..errors import ConfigError, PrivacyError
 from .selection import Selection
 
 if TYPE_CHECKING:  # rule params read `rule_for` at DAG time: the accountants are imported by the rule that uses them
+    from .banded import CorrelatedNoise
     from .contributions import Contributions
 
 
@@ -66,6 +67,7 @@ def snr_group_size(
     cell: str | None = None,
     selection: "Selection | None" = None,
     min_cohort: float = 1.0,
+    correlated: "CorrelatedNoise | None" = None,
 ) -> SnrChoice:
     """ULS rule: the G in the candidates with the largest predicted SNR.
 
@@ -78,20 +80,25 @@ def snr_group_size(
     n_users: N, a public dataset size. The fixed releases of the statistics
     (`contributions.dp_events`) are composed into each candidate's sigma,
     and sigma is each run's under `selection` (the cell's learning-rate runs
-    released as one model; default one run).
+    released as one model; default one run). `correlated` (banded DP-FTRL, privacy.correlated_noise): each
+    candidate's sigma is that of the mechanism the cell would run, BandedULS at the rate p = b q_u within a
+    partition (a candidate with p > 1 is skipped), not DP-SGD's.
     """
     selection = selection or Selection("composed", 1)
     from .calibration import calibrate
-    from .mechanism import ULS
+    from .mechanism import ULS, cohort_rate, uls_mechanism
 
     table: list[dict] = []
     for G in contributions.group_size_candidates(max_quantile):
         mean_contribution = contributions.mean_bounded(G)
         s = ULS.sampling_for_budget(compute_budget, steps, n_users, 0, mean_contribution)
         M, q_u = s.expected_batch, s.sampling_rate
-        row = {"group_size": G, "mean_bounded_contribution": mean_contribution, "expected_batch": M, "sampling_rate": q_u}
-        if q_u > 1:
-            row.update(noise_multiplier=None, snr=None, skipped="sampling rate > 1")
+        rate = cohort_rate(q_u, correlated)
+        row = {"group_size": G, "mean_bounded_contribution": mean_contribution, "expected_batch": M,
+               "sampling_rate": rate}
+        if rate > 1:
+            row.update(noise_multiplier=None, snr=None, skipped="sampling rate > 1" + (
+                f" (the rate within one of {correlated.bands} partitions)" if correlated else ""))
             table.append(row)
             continue
         if M < min_cohort:
@@ -110,7 +117,8 @@ def snr_group_size(
                 # discretization 1e-4: calibrate at 1e-3 (pessimistic, ~10x
                 # cheaper). The chosen G is calibrated again at full precision.
                 sigma = calibrate(
-                    selection.calibration_mechanism(ULS(q_u, int(steps))), epsilon, delta, tolerance=max(tolerance, 3e-3),
+                    selection.calibration_mechanism(uls_mechanism(q_u, int(steps), 1, correlated)), epsilon,
+                    delta, tolerance=max(tolerance, 3e-3),
                     max_noise_multiplier=max_noise_multiplier, discretization=1e-3,
                     extra_events=contributions.dp_events,
                 ).noise_multiplier
@@ -152,8 +160,10 @@ def choose_group_size(
     explicit: int | None = None,
     cell: str | None = None,
     selection: "Selection | None" = None,
+    correlated: "CorrelatedNoise | None" = None,
 ) -> tuple[int, str, list[dict] | None]:
-    """(G, rule name, SNR candidate table or None) for one cell, by its rule in `privacy.group_size`."""
+    """(G, rule name, SNR candidate table or None) for one cell, by its rule in `privacy.group_size`;
+    `correlated`: the cell's banded DP-FTRL (the SNR rule predicts with its mechanism)."""
     if explicit is not None:
         return int(explicit), "explicit (grid.group_size_sweep)", None
     gs = privacy.get("group_size", {}) or {}
@@ -180,6 +190,7 @@ def choose_group_size(
         max_noise_multiplier=float(privacy.get("max_noise_multiplier", 500)),
         cell=cell,
         selection=selection,
+        correlated=correlated,
     )
     rule = "snr (predicted signal-to-noise, docs/privacy.md)"
     return choice.group_size, rule + (" on the DP histogram" if private_stats else ""), choice.table

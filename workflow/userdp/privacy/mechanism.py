@@ -385,3 +385,18 @@ def event_from_json(data: Mapping[str, Any], where: str = "dp_event") -> dp_acco
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise PrivacyError(f"{where}: cannot rebuild {cls.__name__} from {kwargs!r}: {exc}") from exc
+
+
+def uls_mechanism(sampling_rate: float, steps: int, group_size: int = 1,
+                  correlated: "banded.CorrelatedNoise | None" = None) -> ULS:
+    """The ULS mechanism a cell with cohort rate q_u runs: DP-SGD's ULS, or with correlated noise (banded
+    DP-FTRL) BandedULS at the rate p = b q_u within one of b partitions (the same expected cohort). A rate
+    above 1 is refused (banded.check_rate names the key to change; `where` of the message: the caller's)."""
+    if correlated is None:
+        return ULS(sampling_rate, int(steps), int(group_size))
+    return BandedULS(sampling_rate * correlated.bands, int(steps), int(group_size), bands=correlated.bands)
+
+
+def cohort_rate(sampling_rate: float, correlated: "banded.CorrelatedNoise | None" = None) -> float:
+    """The rate uls_mechanism runs at for cohort rate q_u: q_u, or b q_u within a partition (banded)."""
+    return sampling_rate * (correlated.bands if correlated is not None else 1)

@@ -190,9 +190,10 @@ def plan_cell(
     private = not math.isinf(epsilon)
     eps_for_g = epsilon if private or reference_epsilon is None else float(reference_epsilon)
     contributions = _contributions(counts, privacy, stats, cell, (epsilon, eps_for_g))
+    correlated = banded.of_config(privacy, method) if private else None
     G, rule, table = choose_group_size(method, contributions, int(counts.size), privacy, compute_budget=compute_budget,
                                        steps=steps, epsilon=eps_for_g, delta=delta, explicit=group_size, cell=cell,
-                                       selection=selection)
+                                       selection=selection, correlated=correlated)
     # N_G and mbar_G: exact from the counts, or estimated from the DP release (never the exact counts).
     g_note = group_size_note(method, G, counts, contributions)
     if g_note:
@@ -200,11 +201,10 @@ def plan_cell(
     sizes = planning_sizes(contributions, int(counts.size), G)
     mech, sampling = mechanism.get(method).for_budget(compute_budget, steps, G, sizes.n_users, sizes.n_bounded,
                                                       sizes.mean_bounded, where=cell)
-    correlated = banded.of_config(privacy, method) if private else None
     if correlated is not None:  # cyclic Poisson sampling: the same expected batch from one partition of b
-        p = sampling.sampling_rate * correlated.bands
+        p = mechanism.cohort_rate(sampling.sampling_rate, correlated)
         banded.check_rate(p, correlated.bands, cell)
-        mech = mechanism.BandedULS(p, int(steps), int(G), bands=correlated.bands)
+        mech = mechanism.uls_mechanism(sampling.sampling_rate, int(steps), int(G), correlated)
         sampling = dataclasses.replace(sampling, sampling_rate=p)
     extra = contributions.dp_events
     if private:
