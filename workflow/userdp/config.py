@@ -220,8 +220,9 @@ def _check_options(config: dict, source: str) -> None:
         if merged["training"] != config["training"]:
             _warn_ignored_settings(merged, where)
         eps, dataset = fmt_num(config["grid"]["epsilons"][0]), grid_datasets(config)[0]
-        same = [m for m in methods if plan_privacy_params(merged, m, eps) == plan_privacy_params(config, m, eps)
-                and finetune_params(merged, dataset) == finetune_params(config, dataset)]
+        same_training = finetune_params(merged, dataset) == finetune_params(config, dataset)
+        same = [m for m in methods if same_training
+                and plan_privacy_params(merged, m, eps) == plan_privacy_params(config, m, eps)]
         if same:
             fix = (f"run it with `methods: {[m for m in methods if m not in same]}` only" if len(same) < len(methods)
                    else "give it a privacy or training value that changes the cells")

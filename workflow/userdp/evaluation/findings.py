@@ -292,10 +292,9 @@ def lm_findings(summaries: Mapping[str, pd.DataFrame], pretrained: Mapping[str, 
     """Claims 1-4, 6-8 on the language-model grid: `summaries` dataset -> summary table (userdp.evaluation.
     aggregate), `pretrained` dataset -> pretrained test loss, `diversity` dataset -> synthetic alpha or None."""
     unit = "nats/token (test loss)"
-    frames = [s.assign(dataset=d) for d, s in summaries.items() if len(s)]
-    if not frames:
+    df = _stacked(summaries, [])
+    if df.empty:
         return [_not_measured(i, LM, "no language-model cells") for i in (1, 2, 3, 4, 6, 7, 8)]
-    df = pd.concat(frames, ignore_index=True)
     df["epsilon"] = df["epsilon"].astype(float)
     main = df[~df["is_group_sweep"].astype(bool)]
     grid = Grid(main, ["method", "epsilon", "budget", "dataset"], "test_loss")
@@ -465,11 +464,8 @@ def option_findings(summaries: Mapping[str, pd.DataFrame], options: Mapping[str,
     """
     unit = "nats/token (test loss)"
     keys = ["method", "epsilon", "budget", "dataset"]
-    base = pd.concat([s.assign(dataset=d) for d, s in summaries.items() if len(s)] or [pd.DataFrame(columns=keys)],
-                     ignore_index=True)
+    base, opts = _stacked(summaries, keys), _stacked(options, keys)
     base = base[~base["is_group_sweep"].astype(bool)] if len(base) else base
-    opts = pd.concat([s.assign(dataset=d) for d, s in options.items() if len(s)] or [pd.DataFrame(columns=keys)],
-                     ignore_index=True)
     out = []
     for name, option_methods in methods.items():
         mine = opts[opts["option"] == name] if "option" in opts else opts.iloc[0:0]
@@ -491,11 +487,12 @@ def option_findings(summaries: Mapping[str, pd.DataFrame], options: Mapping[str,
                                    "cell of the same dataset, epsilon and budget (run the option's cells: "
                                    "snakemake --cores N)"))
                 continue
-            terms = [t for k in common for t in ((1.0 / len(common), a.cells[k]), (-1.0 / len(common), b.cells[k]))]
-            parts = []
+            def mean_difference(at):  # terms of mean over the cells `at` of (option - grid)
+                return [t for k in at for t in ((1.0 / len(at), a.cells[k]), (-1.0 / len(at), b.cells[k]))]
+
+            terms, parts = mean_difference(common), []
             for eps in sorted({k[0] for k in common}):
-                at = [k for k in common if k[0] == eps]
-                e, lo, hi = contrast([t for k in at for t in ((1.0 / len(at), a.cells[k]), (-1.0 / len(at), b.cells[k]))])
+                e, lo, hi = contrast(mean_difference([k for k in common if k[0] == eps]))
                 parts.append(f"epsilon {_fmt(eps)}: {e:+.4f} [{lo:+.4f}, {hi:+.4f}]")
             sigma = _paired(rows, ref, "plan_noise_multiplier", lambda x, y: x / y).mean()
             eps_gap = _paired(rows, ref, "ledger_epsilon", lambda x, y: (x - y).abs() / y).max()
@@ -510,6 +507,12 @@ def option_findings(summaries: Mapping[str, pd.DataFrame], options: Mapping[str,
                                   *left_out]),
                 cells=[list(map(str, k)) for k in common]))
     return out
+
+
+def _stacked(tables: Mapping[str, pd.DataFrame], columns: Sequence[str]) -> pd.DataFrame:
+    """The non-empty per-dataset tables stacked, each row with its `dataset` (an empty frame of `columns` if none)."""
+    frames = [t.assign(dataset=d) for d, t in tables.items() if len(t)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(columns))
 
 
 def _paired(rows: pd.DataFrame, ref: pd.DataFrame, column: str, fn) -> pd.Series:
