@@ -19,7 +19,8 @@ from userdp.data.prepare import (
 from userdp.data.sources import has_public_part
 from userdp.data.synthetic import SyntheticSource
 from userdp.errors import DataError
-from userdp.seeding import hash_unit
+from userdp.data.prepare import _split_hash
+from userdp.seeding import unit_interval, user_hashes
 
 OUTPUTS = ("examples.parquet", "users.parquet", "contributions.json")
 
@@ -54,17 +55,19 @@ def read(out, name):
 
 def test_hash_is_deterministic_seeded_and_uniform():
     ids = pa.array([f"user-{i}" for i in range(20000)])
-    u = hash_unit(ids, 123)
-    assert np.array_equal(u, hash_unit(ids, 123))
-    assert not np.array_equal(u, hash_unit(ids, 124))
+    u = _split_hash(ids, 123)
+    assert np.array_equal(u, _split_hash(ids, 123))
+    assert not np.array_equal(u, _split_hash(ids, 124))
     # Same id, same value, whatever the batch it comes in.
-    assert np.array_equal(hash_unit(ids.slice(5000, 10), 123), u[5000:5010])
-    assert hash_unit(pa.array(["user-7"]), 123)[0] == u[7]
+    assert np.array_equal(_split_hash(ids.slice(5000, 10), 123), u[5000:5010])
+    assert _split_hash(pa.array(["user-7"]), 123)[0] == u[7]
     assert 0 <= u.min() and u.max() < 1
     hist = np.histogram(u, bins=10, range=(0, 1))[0]
     assert hist.min() > 1800 and hist.max() < 2200  # ~2000 per decile
     # Non-ASCII and empty ids hash fine.
-    assert len(hash_unit(pa.array(["", "ümlaut", "日本"]), 1)) == 3
+    assert len(_split_hash(pa.array(["", "ümlaut", "日本"]), 1)) == 3
+    # A keyed hash of its own: not the bounding or sampling key of the same id and seed.
+    assert not np.array_equal(u[:100], unit_interval(user_hashes(ids.slice(0, 100).to_pylist(), 123)))
 
 
 def test_split_fractions_approximately_right():

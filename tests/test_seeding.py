@@ -1,9 +1,9 @@
 """userdp.seeding: every seed derivation and keyed hash keeps producing the same numbers.
 
-The values were computed with the routines where they lived before they were
-gathered in userdp.seeding (training.sampling, evaluation.metrics,
-training.pool, data.prepare, experiments.mean_estimation_population); a
-change here changes every seeded result of the pipeline.
+The values pin seeding scheme 2 (`SCHEME`); a change here changes every seeded
+result of the pipeline and needs a new scheme number (the rules that show it
+as a param then rerun their jobs). derive_seed, the bounding and sampling keys,
+row_keys and step_draws kept their scheme-1 values.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import pyarrow as pa
 
 import pytest
 
-from userdp.seeding import (SAMPLE_PERSON, derive_seed, derive_seed_crc32, hash_unit, row_keys, seed_sequence,
-                            split_seed, splitmix64, step_draws, user_hashes)
+from userdp import seeding
+from userdp.data.prepare import _split_hash
+from userdp.seeding import (SAMPLE_PERSON, SPLIT_PERSON, derive_seed, row_keys, splitmix64, step_draws, unit_interval,
+                            user_hashes)
 
 
 def test_derive_seed_known_values():
@@ -25,17 +27,13 @@ def test_derive_seed_known_values():
     assert 0 <= derive_seed("x") < 2**63
 
 
-def test_derive_seed_crc32_known_values():
-    assert derive_seed_crc32(0, "evaluation", "synthetic", "validation") == 7021717917581735044
-    assert derive_seed_crc32(42, "evaluation", "fortunes", "test") == 7869428020413368329
-    assert derive_seed_crc32(3, 5, "x") == 3895363214442967413  # int parts are hashed as text too
-
-
-def test_seed_sequence_known_values():
-    ss = seed_sequence(0, "mean_estimation", "contributions")
-    assert [int(x) for x in ss.generate_state(2, np.uint64)] == [8856949945886044602, 1751442622874260296]
-    ss = seed_sequence(5, "mean_estimation", "train", "sweep", 1, "els", 2.5)
-    assert [int(x) for x in ss.generate_state(2, np.uint64)] == [1873076391362448446, 9907721240147874026]
+def test_integer_seeds_are_one_scheme():
+    """Evaluation users, the group bootstrap, the canaries and the mean-estimation study derive their seeds with
+    derive_seed too (scheme 1 used crc32-keyed SeedSequences there)."""
+    assert derive_seed(0, "evaluation", "synthetic", "validation") == 2152598930078948994
+    assert derive_seed(42, "evaluation", "fortunes", "test") == 1077457343613315920
+    assert seeding.SCHEME == 2
+    assert not hasattr(seeding, "seed_sequence") and not hasattr(seeding, "derive_seed_crc32")
 
 
 def test_splitmix64_known_values():
@@ -44,10 +42,14 @@ def test_splitmix64_known_values():
 
 
 def test_split_hash_known_values():
-    assert split_seed(0) == 3683187238809711677
-    assert split_seed(123) == 14461329536866355626
-    got = hash_unit(pa.array(["user-7", "", "日本"]), 123)
-    assert [float(x).hex() for x in got] == ["0x1.3c079c198a105p-1", "0x1.ec2a6de40480bp-1", "0x1.748f8aed088c5p-1"]
+    """The user split: the keyed per-user hash under the split personalisation, mapped to [0, 1)."""
+    ids = ["user-7", "", "日本"]
+    assert [int(x) for x in user_hashes(ids, 123, person=SPLIT_PERSON)] == [
+        4116472155144684943, 4930206640090721399, 1609311526287498719]
+    got = _split_hash(pa.array(ids), 123)
+    assert [float(x).hex() for x in got] == ["0x1.c9052cebb97c0p-3", "0x1.11ae73456f84ap-2", "0x1.6556c4e814ed8p-4"]
+    assert np.array_equal(got, unit_interval(user_hashes(ids, 123, person=SPLIT_PERSON)))
+    assert unit_interval(np.array([0, 2**63, 2**64 - 1], dtype=np.uint64)).tolist() == [0.0, 0.5, 1 - 2**-53]
 
 
 def test_bounding_keys_known_values():

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))  # also when a test
 from userdp import grid, layout
 from userdp.config import option_config, validate_config
 from userdp.privacy import memo
+from userdp.seeding import SCHEME as SEEDING
 from userdp.errors import ConfigError
 from snakemake.exceptions import WorkflowError
 

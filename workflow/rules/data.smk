@@ -46,6 +46,7 @@ rule prepare_data:
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
+        seeding=SEEDING,  # the seeding scheme (userdp.seeding.SCHEME): a new one reruns the job
         # With DP contribution statistics contributions.json holds only the
         # public sizes (users per split): the option changes this output.
         contribution_stats_private=stats_private(config),
@@ -77,6 +78,7 @@ rule user_labels:
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
+        seeding=SEEDING,  # the seeding scheme (userdp.seeding.SCHEME): a new one reruns the job
     wildcard_constraints:
         dataset=LABELLED_DATASETS_RE,
     log:
@@ -102,6 +104,7 @@ rule prepare_public:
     params:
         spec=lambda wildcards: config["datasets"][wildcards.dataset],
         seed=config["seed"],
+        seeding=SEEDING,  # the seeding scheme (userdp.seeding.SCHEME): a new one reruns the job
     wildcard_constraints:
         dataset=PUBLIC_DATASETS_RE,
     log:

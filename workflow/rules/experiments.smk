@@ -14,6 +14,7 @@ _ME_CALIBRATION_KEYS = (
 ME_CALIBRATION_PARAMS = dict(
     mean_estimation={k: config["mean_estimation"][k] for k in _ME_CALIBRATION_KEYS},
     seed=config["seed"],
+    seeding=SEEDING,  # the seeding scheme (userdp.seeding.SCHEME): a new one reruns the job
     delta_exponent=config["privacy"]["delta_exponent"],
 )
 
@@ -48,6 +49,7 @@ rule mean_estimation:
     params:
         mean_estimation=config["mean_estimation"],
         seed=config["seed"],
+        seeding=SEEDING,
         # delta when mean_estimation.delta is null; checked against the calibration's
         delta_exponent=config["privacy"]["delta_exponent"],
     log:

@@ -1,40 +1,46 @@
-"""Every seed derivation and keyed hash of the package, in one place.
+"""Every seed derivation and keyed hash of the package: one scheme, in one place.
 
 Seeds make the study reproducible: a run, a bounded pool, a user split or an
-evaluation set is a function of the config seed and readable labels. Each
-routine below feeds seeds or keys into results, so its output must never
-change (tests/test_seeding.py pins known values). Several families coexist
-because they were chosen for different needs; they compute different
-numbers and are not interchangeable:
+evaluation set is a function of the config seed and readable labels. The
+scheme has three parts, each with one job:
 
-- `derive_seed`: SHA-256 of "|"-joined parts -> 63-bit seed (training runs,
-  bounding, pretraining, contribution statistics);
-- `derive_seed_crc32`: numpy SeedSequence of the root seed and crc32 of every
-  part -> 63-bit seed (evaluation users);
-- `seed_sequence`: numpy SeedSequence of int parts as they are and crc32 of
-  text parts (mean-estimation study; `spawn`-able);
-- `split_seed` + `hash_unit`: the user-split key and FNV-1a 64 + splitmix64
-  of each user id's UTF-8 bytes -> [0, 1) (data preparation);
-- `user_hashes` + `row_keys`: blake2b keyed by the seed of each user id, mixed
-  with a row's rank by splitmix64 (contribution bounding of the training pool;
-  with the sampling personalisation, the identities of the sampled units);
-- `step_draws`: splitmix64 of a unit's key and the step (Poisson sampling of
-  training: every unit's draw depends on its own identity, the seed and the
-  step alone, so removing a user changes no other unit's draws).
+1. **Integer seeds**: `derive_seed(root, labels...)`, SHA-256 of the
+   "|"-joined labels -> 63 bits. Every seeded generator of the package
+   starts from one (`np.random.default_rng(derive_seed(...))`, torch's
+   `manual_seed`): training runs (sampler, noise, torch), contribution
+   bounding, pretraining, evaluation users, the group bootstrap, the DP
+   contribution statistics, the mechanism audit, the canaries, the
+   mean-estimation study. Two purposes differ in their labels, never in
+   the hash.
+2. **Per-user keys**: `user_hashes(user ids, seed, person)`, blake2b keyed
+   by a seed, with a personalisation naming the use (`SPLIT_PERSON`: the
+   train/validation/test split; the default: contribution bounding;
+   `SAMPLE_PERSON`: Poisson sampling; the audit's own). A user's key
+   depends on its id, the seed and the use alone, so removing a user
+   changes no other user's key. `unit_interval` maps keys to [0, 1).
+3. **Draws per key and counter**: splitmix64 mixing (`row_keys`: a user's
+   rows by rank; `step_draws`: a unit at a training step), so each
+   (unit, step) pair gets its own uniform draw.
 
-Python's `hash` is salted per process, so none of them uses it. This module
-imports nothing from the pipeline stages.
+`SCHEME` numbers this scheme; rules whose outputs it decides show it as a
+param (`seeding`), so a change of the scheme reruns them. Scheme 2 (this
+one) replaced three further families of scheme 1: crc32-keyed SeedSequences
+(evaluation users, the group bootstrap, the mean-estimation study, the
+canaries: a 32-bit hash of each label, so two labels could collide into one
+stream) and an unkeyed FNV-1a hash for the user split (now a keyed hash like
+every other per-user key). Python's `hash` is salted per process, so none of
+them uses it. This module imports nothing from the pipeline stages.
 """
 
 from __future__ import annotations
 
 import hashlib
-import zlib
 from typing import Sequence
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
+
+#: The number of this seeding scheme (a rule param where it decides outputs; see the module docstring).
+SCHEME = 2
 
 # ------------------------------------------------------------ integer seeds
 
@@ -46,32 +52,6 @@ def derive_seed(*parts: object) -> int:
     """
     text = "|".join(str(p) for p in parts)
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little") >> 1
-
-
-def derive_seed_crc32(root_seed: int, *parts: str | int) -> int:
-    """A 63-bit seed from the config seed and names: SeedSequence([root, crc32(part), ...]).
-
-    Every part (also an int) is hashed as its text with crc32; the evaluation
-    users are chosen with it.
-    """
-    words = [int(root_seed)] + [zlib.crc32(str(p).encode("utf-8")) for p in parts]
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
-
-
-def seed_sequence(*parts: object) -> np.random.SeedSequence:
-    """A SeedSequence derived from the config seed and a cell's description.
-
-    Int parts enter as they are; text parts are hashed (crc32), so a cell is
-    identified by readable labels such as ("els", "eps=1", "budget=20000")
-    rather than by positions in a list.
-    """
-    words: list[int] = []
-    for p in parts:
-        if isinstance(p, (int, np.integer)) and not isinstance(p, bool):
-            words.append(int(p))
-        else:
-            words.append(zlib.crc32(str(p).encode("utf-8")))
-    return np.random.SeedSequence(words)
 
 
 # ------------------------------------------------------------ 64-bit mixing
@@ -96,56 +76,19 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return z
 
 
-# ------------------------------------------------------------ the user split
-
-_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
-_FNV_PRIME = np.uint64(0x100000001B3)
-
-
-def split_seed(seed: int) -> int:
-    """The hash key of the user split (64 bits), derived from the root seed.
-
-    It does not involve the dataset name, so the same user id lands in the
-    same split in two datasets built from the same users.
-    """
-    return int(np.random.SeedSequence([seed, zlib.crc32(b"user-split")]).generate_state(1, np.uint64)[0])
-
-
-def hash_unit(user_ids: pa.Array | pa.ChunkedArray, seed: int) -> np.ndarray:
-    """A seeded hash of each string mapped to [0, 1), vectorised (FNV-1a 64 + splitmix64).
-
-    Stable across platforms, runs and batchings: it reads the UTF-8 bytes.
-    """
-    if isinstance(user_ids, pa.ChunkedArray):
-        user_ids = user_ids.combine_chunks()
-    arr = pc.cast(user_ids, pa.large_string())
-    n = len(arr)
-    if n == 0:
-        return np.zeros(0)
-    _, off_buf, data_buf = arr.buffers()
-    offsets = np.frombuffer(off_buf, dtype=np.int64, count=arr.offset + n + 1)[arr.offset :]
-    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(1, np.uint8)
-    starts, lengths = offsets[:-1], np.diff(offsets)
-    h = np.full(n, _FNV_OFFSET, dtype=np.uint64) ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
-    with np.errstate(over="ignore"):
-        for j in range(int(lengths.max(initial=0))):
-            live = np.nonzero(lengths > j)[0]
-            h[live] = (h[live] ^ data[starts[live] + j].astype(np.uint64)) * _FNV_PRIME
-        h = splitmix64(h)
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-# ------------------------------------------------------------ bounding keys
+# ------------------------------------------------------------ per-user keys
 
 _BOUND_PERSON = b"userdp.bound"  # blake2b personalisation: domain separation from other uses of the seed
 SAMPLE_PERSON = b"userdp.sample"  # the same hash for the identities of Poisson-sampled units (training.sampling)
+SPLIT_PERSON = b"userdp.split"  # the user split (data.prepare); keyed by the config seed, not the dataset
 
 
 def user_hashes(user_ids: Sequence[str], seed: int, person: bytes = _BOUND_PERSON) -> np.ndarray:
     """A 64-bit keyed hash (blake2b, keyed by the seed) of each user id string [N] uint64.
 
     The per-user key of contribution bounding (`person` = the bounding
-    personalisation, the default) or of sampling (`SAMPLE_PERSON`). One hash
+    personalisation, the default), of sampling (`SAMPLE_PERSON`) or of the
+    user split (`SPLIT_PERSON`). One hash
     per distinct user (~0.6 us each: a second per million users); it depends
     on the id string, the seed and `person` only.
     """
@@ -159,6 +102,11 @@ def user_hashes(user_ids: Sequence[str], seed: int, person: bytes = _BOUND_PERSO
 
     digests = b"".join(map(digest, ids))
     return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
+
+
+def unit_interval(keys: np.ndarray) -> np.ndarray:
+    """Uniform 64-bit keys mapped to floats in [0, 1) (their top 53 bits)."""
+    return (np.asarray(keys, dtype=np.uint64) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def row_keys(user_hash: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -52,7 +52,7 @@ import pyarrow.compute as pc
 from .chat import LOSS_MASK
 from ..errors import ConfigError, DataError
 from ..io import ParquetBatchWriter, read_table, streaming_parquet
-from ..seeding import seed_sequence, user_hashes
+from ..seeding import derive_seed, user_hashes
 
 CANARY_PREFIX = "canary-"
 #: Probability that a canary is included (the one-run audit's coin).
@@ -253,7 +253,7 @@ def make_canaries(spec: CanarySpec, meta: dict, config_seed: int, dataset: str,
     if spec.n_canaries < 2:
         raise ConfigError(f"audit.canaries is {spec.n_canaries}; the audit needs at least 2 canaries.")
     prefix_pool, _ = _pools(spec, meta, corpus)
-    rng = np.random.default_rng(seed_sequence(int(config_seed), dataset, spec.seed, "audit-canaries"))
+    rng = np.random.default_rng(derive_seed(int(config_seed), dataset, spec.seed, "audit-canaries"))
     included = rng.random(spec.n_canaries) < INCLUSION_PROBABILITY
     if spec.design == "random" and spec.prefix_length == 0:  # the first audit's canaries, draw for draw
         prefixes = np.zeros((spec.n_canaries, 0), dtype=np.int64)
@@ -263,7 +263,7 @@ def make_canaries(spec: CanarySpec, meta: dict, config_seed: int, dataset: str,
         secrets = draw_secrets(spec, meta, rng, prefixes, corpus)
     # The candidates the exposure ranks each secret among: the same design's secrets for the same prefix, from
     # their own stream (the canaries do not depend on how many candidates there are).
-    crng = np.random.default_rng(seed_sequence(int(config_seed), dataset, spec.seed, "audit-candidates"))
+    crng = np.random.default_rng(derive_seed(int(config_seed), dataset, spec.seed, "audit-candidates"))
     cand = draw_secrets(spec, meta, crng, np.repeat(prefixes, spec.candidates, axis=0), corpus)
     cand = cand.reshape(spec.n_canaries, spec.candidates, spec.secret_length)
     bos, eos = int(meta["bos_token_id"]), int(meta["eos_token_id"])

@@ -46,7 +46,7 @@ from ..errors import ConfigError, DataError
 from .chat import FRAMING_META, Framing
 from ..io import ParquetBatchWriter, streaming_parquet, write_json, write_parquet
 from ..logutil import Progress
-from ..seeding import hash_unit, split_seed
+from ..seeding import SPLIT_PERSON, unit_interval, user_hashes
 from .base import PUBLIC_SCHEMA
 
 SPLITS = ("train", "validation", "test")
@@ -95,16 +95,22 @@ def split_settings(name: str, spec: dict) -> tuple[float, float, bool]:
 # ---------------------------------------------------------------- hashing
 
 
+def _split_hash(user_ids: pa.Array, seed: int) -> np.ndarray:
+    """Each user id's split key in [0, 1): its keyed hash under the config seed (not the dataset: a user id lands
+    in the same split in two datasets built from the same users)."""
+    return unit_interval(user_hashes(user_ids.to_pylist(), seed, person=SPLIT_PERSON))
+
+
 def hash_split(user_ids: pa.Array, seed: int, validation: float, test: float) -> np.ndarray:
     """Split codes (TRAIN/VALIDATION/TEST) per user id by the seeded hash."""
-    u = hash_unit(user_ids, split_seed(seed))
+    u = _split_hash(user_ids, seed)
     return np.where(u < test, TEST, np.where(u < test + validation, VALIDATION, TRAIN)).astype(np.int8)
 
 
 def _eval_split(user_ids: pa.Array, seed: int, validation: float, test: float) -> np.ndarray:
     """Evaluation users (source heldout) -> VALIDATION or TEST in the ratio validation : test."""
     share_test = 1.0 if validation + test == 0 else test / (validation + test)
-    u = hash_unit(user_ids, split_seed(seed))
+    u = _split_hash(user_ids, seed)
     return np.where(u < share_test, TEST, VALIDATION).astype(np.int8)
 
 

@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import ConfigError
+from ..seeding import derive_seed
 from .base import PUBLIC_SCHEMA, RAW_SCHEMA
 from .sources import source_keys
 from .spec_keys import check_keys, max_examples
@@ -256,7 +257,7 @@ class TopicModels:
     """Per-topic word distributions and collocations, built from one seed."""
 
     def __init__(self, n_topics: int, zipf_exponent: float, background_mass: float, seed: int):
-        rng = np.random.default_rng(np.random.SeedSequence([seed, 0x70C1C]))
+        rng = np.random.default_rng(derive_seed(seed, "synthetic", "topics"))
         self.words: list[str] = []  # global vocabulary: categories concatenated
         self.offset: dict[str, int] = {}
         self.size: dict[str, int] = {}
@@ -398,7 +399,7 @@ class SyntheticSource:
         self.max_examples = max_examples(name, spec)
         p = self.params
         self.models = TopicModels(p.n_topics, p.zipf_exponent, p.background_mass, p.seed)
-        rng = np.random.default_rng(np.random.SeedSequence([p.seed, 0x05E25]))
+        rng = np.random.default_rng(derive_seed(p.seed, "synthetic", "users"))
         self.n_examples = contribution_counts(p.n_users, p.contributions_median, p.contributions_sigma, p.max_contributions, rng)
         # theta_u ~ Dirichlet(alpha * 1) (or the topic_weights prior). numpy's Dirichlet underflows to NaN
         # for very small alpha; normalised Gamma draws with a floor do not.
@@ -431,7 +432,7 @@ class SyntheticSource:
         """Examples of users [block * B, (block + 1) * B): user_id, text and the latent topic."""
         p = self.params
         lo, hi = block * _BLOCK_USERS, min((block + 1) * _BLOCK_USERS, p.n_users)
-        rng = np.random.default_rng(np.random.SeedSequence([p.seed, 0xB10C, block]))
+        rng = np.random.default_rng(derive_seed(p.seed, "synthetic", "block", block))
         counts = self.n_examples[lo:hi]
         user = np.repeat(np.arange(hi - lo), counts)
         # Example topic z ~ theta_u by inverse CDF per row.
@@ -466,6 +467,6 @@ class SyntheticSource:
         chunk = _BLOCK_USERS * 8
         for i, lo in enumerate(range(0, p.public_examples, chunk)):
             n = min(chunk, p.public_examples - lo)
-            rng = np.random.default_rng(np.random.SeedSequence([p.seed, 0x9B11C, i]))
+            rng = np.random.default_rng(derive_seed(p.seed, "synthetic", "public", i))
             text = _generate_texts(self.models, self.public_topics(n, rng), rng, p.max_sentences, p.extra_sentence_prob, p.collocation_prob)
             yield from pa.table({"text": text}, schema=PUBLIC_SCHEMA).to_batches(max_chunksize=batch_rows)

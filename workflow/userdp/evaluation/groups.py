@@ -52,7 +52,7 @@ import pandas as pd
 from ..errors import DataError
 from ..io import read_frame, write_parquet
 from ..grid import cell_of_dir
-from ..seeding import derive_seed_crc32
+from ..seeding import derive_seed
 from .targets import USER_SCORE_COLUMNS
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class CostModel:
         self.groups = {kind: first.loc[self.user_ids, col].to_numpy() for kind, col in GROUP_COLUMNS.items()}
         seeds = sorted({k[3] for k in self.loss})
         self.draws = Draws(self.user_ids, seeds or [0], settings.bootstrap,
-                           derive_seed_crc32(settings.seed, "groups", dataset))
+                           derive_seed(settings.seed, "groups", dataset))
         self.cells = sorted({k[:3] for k in self.loss if math.isfinite(k[1])})
 
     def gaps(self, method: str, eps: float, budget: int) -> tuple[np.ndarray, list[int]] | None:

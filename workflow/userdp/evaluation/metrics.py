@@ -35,7 +35,7 @@ from ..data.chat import LOSS_MASK, loss_masks
 from ..errors import DataError
 from ..io import read_schema, write_json, write_parquet
 from ..layout import EVAL, EVAL_USERS, RUN_MODEL
-from ..seeding import derive_seed_crc32
+from ..seeding import derive_seed
 from ..training.models import load_model, resolve_device
 from .targets import EVAL_SPLITS, USER_SCORE_COLUMNS
 
@@ -267,7 +267,7 @@ def evaluate_models(
     dev = resolve_device(device)
     eval_sets: dict[str, EvalSet] = {}
     for split in splits:
-        seed = derive_seed_crc32(root_seed, "evaluation", dataset, split)
+        seed = derive_seed(root_seed, "evaluation", dataset, split)
         eval_sets[split] = load_eval_set(tokens_path, split, max_users, seed)
     results = []
     for i, model_path in enumerate(model_paths):

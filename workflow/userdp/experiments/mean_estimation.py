@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..layout import fmt_num
 from ..privacy.contributions import ExactCounts
 from ..privacy.mechanism import METHODS as MECHANISMS
-from ..seeding import seed_sequence
+from ..seeding import derive_seed
 from ..workers import process_pool
 from .mean_estimation_population import Population, contribution_counts
 from .mean_estimation_sgd import run_els, run_uls
@@ -310,9 +310,10 @@ def run_study(
                         # expected batch: one vectorised run covers them.
                         epsilons = spec.epsilons_for(method, g, counts)
                         cells = [cal.loc[(method, eps, compute, g)] for eps in epsilons]
-                        ss = seed_sequence(spec.root_seed, "mean_estimation", "train", phase, seed, method,
-                                           f"budget={compute}", f"s={fmt_num(s)}", f"G={g}")
-                        rng_sample, rng_noise = (np.random.default_rng(x) for x in ss.spawn(2))
+                        cell = (spec.root_seed, "mean_estimation", "train", phase, seed, method, f"budget={compute}",
+                                f"s={fmt_num(s)}", f"G={g}")
+                        rng_sample, rng_noise = (np.random.default_rng(derive_seed(*cell, what))
+                                                 for what in ("sample", "noise"))
                         res = runner(
                             pool, sampling_rate=float(cells[0]["sampling_rate"]),
                             noise_multipliers=[float(c["noise_multiplier"]) for c in cells],

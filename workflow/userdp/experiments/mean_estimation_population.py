@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
-from ..seeding import seed_sequence
+from ..seeding import derive_seed
 
 
 def contribution_counts(n_users: int, median: float, sigma: float, seed: int) -> np.ndarray:
     """Examples per user: max(1, round(median * exp(sigma * z))), z ~ N(0, 1)."""
     if n_users < 1:
         raise ConfigError(f"mean_estimation.n_users is {n_users}; it must be at least 1.")
-    rng = np.random.default_rng(seed_sequence(seed, "mean_estimation", "contributions"))
+    rng = np.random.default_rng(derive_seed(seed, "mean_estimation", "contributions"))
     z = rng.standard_normal(n_users)
     return np.maximum(1, np.rint(median * np.exp(sigma * z))).astype(np.int64)
 
@@ -75,7 +75,7 @@ class Population:
         self.dimension = int(dimension)
         self.tau = float(inter_user_spread)
         self.max_group_size = int(max_group_size)
-        rng = np.random.default_rng(seed_sequence(root_seed, "mean_estimation", "population", phase, seed))
+        rng = np.random.default_rng(derive_seed(root_seed, "mean_estimation", "population", phase, seed))
         d, n = self.dimension, len(self.counts)
         mu = rng.standard_normal(d)
         self.mu = mu / np.linalg.norm(mu)
