@@ -122,6 +122,7 @@ def test_mean_over_seeds():
 # ---------------------------------------------------------------- the figure registry
 
 from pathlib import Path  # noqa: E402
+import re  # noqa: E402
 
 from userdp.config import validate_config  # noqa: E402
 from userdp.plotting import registry  # noqa: E402
@@ -152,6 +153,33 @@ def test_every_registered_figure_has_a_caption_a_function_and_its_own_rule():
     assert captions == set(registry.FIGURES)
 
 
+def _figure_rules() -> dict[str, str]:
+    """figures.smk's rules: name -> the rule's text (a written-out rule or a `use rule ... as name with:`)."""
+    text = (REPO / "workflow/rules/figures.smk").read_text()
+    heads = list(re.finditer(r"^(?:rule (\w+):|use rule \w+ as (\w+) with:)$", text, flags=re.M))
+    ends = [h.start() for h in heads[1:]] + [len(text)]
+    return {h[1] or h[2]: text[h.start():end] for h, end in zip(heads, ends)}
+
+
+def test_each_registered_figure_has_its_rule_with_its_paths_and_caption():
+    """The figure rules are written out in figures.smk: each registered figure's rule spells its outputs (the
+    paths figure_targets asks for), log and benchmark, and captions it with its own file."""
+    rules = _figure_rules()
+    assert set(rules) == {f.rule for f in registry.FIGURES.values()}
+    for fig in registry.FIGURES.values():
+        text = rules[fig.rule]
+        stem = fig.path("png")[len(registry.FIGURE_DIR) + 1:-len(".png")]
+        for needed in (f'"{fig.path("png")}"', f'"{fig.path("pdf")}"', f'"results/logs/figures/{stem}.log"',
+                       f'"results/benchmarks/figures/{stem}.tsv"', f'"{fig.name}"'):
+            assert needed in text, (fig.rule, needed)
+        # no other figure's files in this rule (a copy-paste slip would draw one figure twice)
+        others = [o for o in registry.FIGURES.values() if o is not fig and f'"{o.path("png")}"' in text]
+        assert not others, (fig.rule, [o.name for o in others])
+    # the G-sweep figure is told the sweep's point, the groups figure the per-user-points choice
+    assert "epsilon=SWEEP_POINT" in rules["plot_lm_loss_vs_group_size"]
+    assert "points=per_user_points(config)" in rules["plot_groups_gap_vs_examples"]
+
+
 def test_figure_targets_and_paths():
     c = validate_config({
         "datasets": {"a": {"source": "synthetic"}, "b": {"source": "synthetic"}},
@@ -165,10 +193,11 @@ def test_figure_targets_and_paths():
     assert registry.figure_targets(c, family="lm") == [p for p in out if "lm_" in p or "training_curves" in p]
     fig = registry.FIGURES["lm_loss_vs_group_size"]
     assert fig.path("png") == "results/figures/lm_loss_vs_group_size_{dataset}.png"
-    assert fig.log == "results/logs/figures/lm_loss_vs_group_size_{dataset}.log"
-    assert fig.plot_params(c) == {"epsilon": 0.5, "budget": 100}
-    assert fig.report_labels("pdf") == {"figure": "test loss vs group size G", "format": "PDF"}
+    assert fig.path("pdf", "a") == "results/figures/lm_loss_vs_group_size_a.pdf"
     assert registry.FIGURES["noise_vs_group_size"].path("pdf") == "results/figures/noise_vs_group_size.pdf"
+    assert registry.per_user_points(c) == {"a": True}  # groups.per_user_points "synthetic", a synthetic dataset
+    c["groups"]["per_user_points"] = "never"
+    assert registry.per_user_points(c) == {"a": False}
     with pytest.raises(ValueError, match="unknown figure family"):
         registry.figure_targets(c, family="nope")
     with pytest.raises(ValueError, match="draws no registered figure"):

@@ -317,3 +317,22 @@ def all_targets():
         + figure_targets(config)
         + findings_targets()
     )
+
+
+# ---------------------------------------------------------------- figures (figures.smk)
+
+from userdp.plotting.registry import per_user_points
+
+# The report's categories of the figures.
+LM = "Language-model fine-tuning"
+GROUPS = "Who pays for privacy"
+AUDIT = "Privacy audit"
+MEAN_ESTIMATION = "Mean estimation (synthetic)"
+# The (epsilon, budget) of the G sweep, drawn by plot_lm_loss_vs_group_size.
+SWEEP_POINT = grid.group_sweep_point(config)
+
+
+def figure_report(path, caption, category, subcategory=None, **labels):
+    """An output shown in the report, under `category` / `subcategory`, captioned by workflow/report/<caption>.rst."""
+    return report(path, caption=f"../report/{caption}.rst", category=category, subcategory=subcategory,
+                  labels=labels or None)

@@ -1,6 +1,5 @@
 # The synthetic mean-estimation study (docs/method.md section 9): calibration and
-# simulation; its figures are rules of figures.smk (userdp.plotting.registry,
-# family mean_estimation). Calibration is its own rule (its params hold only
+# simulation; its figures are rules of figures.smk (plot_mean_estimation_*). Calibration is its own rule (its params hold only
 # the keys that change a sampling rate or a privacy target), so changing
 # learning rates, diversities or seeds does not recalibrate, and changing a
 # plot never recomputes anything.

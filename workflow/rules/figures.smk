@@ -1,58 +1,255 @@
-# Figures: one rule `plot_<name>` per figure of the registry
-# userdp.plotting.registry (the families: contribution histograms, the
-# accounting comparison, the language-model grid per dataset, the
-# mean-estimation study). Each reads only finished artifacts (plotting is
-# separate from computation, so changing a plot never reruns anything else)
-# and writes PNG and PDF; the report shows them with their caption from
-# workflow/report/<name>.rst. Rule all's figure targets come from
-# userdp.plotting.registry.figure_targets.
-#
-# Snakemake fixes a report caption per rule, so each figure has its own rule
-# (made by this loop) rather than one rule per family with a {figure}
-# wildcard.
-import os
-
-from userdp import layout
-
-from userdp.plotting.registry import FIGURES, FORMATS
+# Figures: one rule per figure, `plot_<name>`, drawn by workflow/scripts/plot_figure.py
+# with the plotting function userdp.plotting.registry names for <name>. Each reads
+# only finished artifacts (changing a plot never reruns anything else) and writes
+# PNG and PDF; the report shows them with their caption, workflow/report/<name>.rst.
+# The first figure of a family is written out; the family's others reuse it
+# (`use rule ... with:`) and change their outputs, log and benchmark, and their
+# inputs or params where they differ. Rule all's figure targets:
+# userdp.plotting.registry.figure_targets (tests/test_eval_figures.py checks that
+# each is an output spelled here). figure_report and the category names: common.smk.
 
 
-def _figure_output(fig, fmt):
-    path = fig.path(fmt)
-    if fmt not in fig.family.report_formats:
-        return path
-    return report(
-        path,
-        caption=os.path.relpath(fig.caption, "workflow/rules"),
-        category=fig.family.category,
-        subcategory=fig.family.subcategory,
-        labels=fig.report_labels(fmt),
-    )
+# ---------------------------------------------------------------- data and accounting
 
 
-for _fig in FIGURES.values():
+rule plot_contributions:
+    input:
+        stats="results/data/{dataset}/contributions.json",
+        # With DP contribution statistics the figure draws the DP histogram.
+        **({"release": "results/data/{dataset}/contributions_dp.json"} if stats_private(config) else {}),
+    output:
+        png=figure_report("results/figures/contributions_{dataset}.png", "contributions", "Data",
+                          figure="contributions", dataset="{dataset}"),
+        pdf="results/figures/contributions_{dataset}.pdf",
+    wildcard_constraints:
+        dataset=DATASETS_RE,
+    log:
+        "results/logs/figures/contributions_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/contributions_{dataset}.tsv"
+    threads: 1
+    priority: PRIORITY["side"]
+    resources:
+        mem_mb=1000,
+        runtime=10,
+    conda:
+        "../envs/userdp.yaml"
+    script:
+        "../scripts/plot_figure.py"
 
-    rule:
-        name:
-            _fig.rule
-        input:
-            **_fig.inputs_for(config),
-        output:
-            **{fmt: _figure_output(_fig, fmt) for fmt in FORMATS},
-        params:
-            **_fig.plot_params(config),
-        wildcard_constraints:
-            **({"dataset": _fig.family.dataset_regex(config)} if _fig.family.dataset_regex else {}),
-        log:
-            _fig.log,
-        benchmark:
-            layout.benchmark_of(_fig.log),
-        threads: 1
-        priority: PRIORITY["side"]
-        resources:
-            mem_mb=1000,
-            runtime=10,
-        conda:
-            "../envs/userdp.yaml"
-        script:
-            "../scripts/plot_figure.py"
+
+use rule plot_contributions as plot_noise_vs_group_size with:
+    input:
+        comparison="results/accounting/comparison.parquet",
+    output:
+        png=figure_report("results/figures/noise_vs_group_size.png", "noise_vs_group_size", "Accounting",
+                          format="PNG"),
+        pdf=figure_report("results/figures/noise_vs_group_size.pdf", "noise_vs_group_size", "Accounting",
+                          format="PDF"),
+    log:
+        "results/logs/figures/noise_vs_group_size.log",
+    benchmark:
+        "results/benchmarks/figures/noise_vs_group_size.tsv"
+
+
+# ---------------------------------------------------------------- language-model fine-tuning, per dataset
+
+
+use rule plot_contributions as plot_lm_loss_vs_epsilon with:
+    input:
+        summary="results/summary/{dataset}/metrics.parquet",
+        pretrained="results/runs/{dataset}/pretrained/metrics.json",
+    output:
+        png=figure_report("results/figures/lm_loss_vs_epsilon_{dataset}.png", "lm_loss_vs_epsilon", LM, "{dataset}",
+                          figure="test loss vs epsilon", format="PNG"),
+        pdf=figure_report("results/figures/lm_loss_vs_epsilon_{dataset}.pdf", "lm_loss_vs_epsilon", LM, "{dataset}",
+                          figure="test loss vs epsilon", format="PDF"),
+    log:
+        "results/logs/figures/lm_loss_vs_epsilon_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/lm_loss_vs_epsilon_{dataset}.tsv"
+
+
+use rule plot_lm_loss_vs_epsilon as plot_lm_loss_vs_budget with:
+    output:
+        png=figure_report("results/figures/lm_loss_vs_budget_{dataset}.png", "lm_loss_vs_budget", LM, "{dataset}",
+                          figure="test loss vs compute budget", format="PNG"),
+        pdf=figure_report("results/figures/lm_loss_vs_budget_{dataset}.pdf", "lm_loss_vs_budget", LM, "{dataset}",
+                          figure="test loss vs compute budget", format="PDF"),
+    log:
+        "results/logs/figures/lm_loss_vs_budget_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/lm_loss_vs_budget_{dataset}.tsv"
+
+
+use rule plot_lm_loss_vs_epsilon as plot_lm_uls_minus_els with:
+    output:
+        png=figure_report("results/figures/lm_uls_minus_els_{dataset}.png", "lm_uls_minus_els", LM, "{dataset}",
+                          figure="ULS - ELS over epsilon and budget", format="PNG"),
+        pdf=figure_report("results/figures/lm_uls_minus_els_{dataset}.pdf", "lm_uls_minus_els", LM, "{dataset}",
+                          figure="ULS - ELS over epsilon and budget", format="PDF"),
+    log:
+        "results/logs/figures/lm_uls_minus_els_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/lm_uls_minus_els_{dataset}.tsv"
+
+
+use rule plot_lm_loss_vs_epsilon as plot_lm_loss_vs_group_size with:
+    output:
+        png=figure_report("results/figures/lm_loss_vs_group_size_{dataset}.png", "lm_loss_vs_group_size", LM,
+                          "{dataset}", figure="test loss vs group size G", format="PNG"),
+        pdf=figure_report("results/figures/lm_loss_vs_group_size_{dataset}.pdf", "lm_loss_vs_group_size", LM,
+                          "{dataset}", figure="test loss vs group size G", format="PDF"),
+    params:
+        # The (epsilon, budget) of the G sweep (grid.group_sweep).
+        epsilon=SWEEP_POINT["epsilon"],
+        budget=SWEEP_POINT["budget"],
+    log:
+        "results/logs/figures/lm_loss_vs_group_size_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/lm_loss_vs_group_size_{dataset}.tsv"
+
+
+use rule plot_lm_loss_vs_epsilon as plot_training_curves with:
+    input:
+        curves="results/summary/{dataset}/train_curves.parquet",
+    output:
+        png=figure_report("results/figures/training_curves_{dataset}.png", "training_curves", LM, "{dataset}",
+                          figure="training curves", format="PNG"),
+        pdf=figure_report("results/figures/training_curves_{dataset}.pdf", "training_curves", LM, "{dataset}",
+                          figure="training curves", format="PDF"),
+    log:
+        "results/logs/figures/training_curves_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/training_curves_{dataset}.tsv"
+
+
+use rule plot_lm_loss_vs_epsilon as plot_lm_options_loss_gap with:
+    input:
+        summary="results/summary/{dataset}/metrics.parquet",
+        options="results/summary/{dataset}/options.parquet",
+    output:
+        png=figure_report("results/figures/lm_options_loss_gap_{dataset}.png", "lm_options_loss_gap", LM, "{dataset}",
+                          figure="loss gap to non-private per option", format="PNG"),
+        pdf=figure_report("results/figures/lm_options_loss_gap_{dataset}.pdf", "lm_options_loss_gap", LM, "{dataset}",
+                          figure="loss gap to non-private per option", format="PDF"),
+    log:
+        "results/logs/figures/lm_options_loss_gap_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/lm_options_loss_gap_{dataset}.tsv"
+
+
+# ---------------------------------------------------------------- who pays for privacy, per dataset
+
+
+use rule plot_contributions as plot_groups_cost with:
+    input:
+        groups="results/summary/{dataset}/groups.parquet",
+        summary="results/summary/{dataset}/metrics.parquet",
+    output:
+        png=figure_report("results/figures/groups_cost_{dataset}.png", "groups_cost", GROUPS, "{dataset}",
+                          figure="cost of privacy per user group", dataset="{dataset}"),
+        pdf="results/figures/groups_cost_{dataset}.pdf",
+    log:
+        "results/logs/figures/groups_cost_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/groups_cost_{dataset}.tsv"
+
+
+use rule plot_groups_cost as plot_groups_gap_vs_examples with:
+    input:
+        users="results/summary/{dataset}/users.parquet",
+        summary="results/summary/{dataset}/metrics.parquet",
+    output:
+        png=figure_report("results/figures/groups_gap_vs_examples_{dataset}.png", "groups_gap_vs_examples", GROUPS,
+                          "{dataset}", figure="cost of privacy vs the user's examples", dataset="{dataset}"),
+        pdf="results/figures/groups_gap_vs_examples_{dataset}.pdf",
+    params:
+        # groups.per_user_points: per dataset, whether to draw a point per held-out test user
+        points=per_user_points(config),
+    log:
+        "results/logs/figures/groups_gap_vs_examples_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/groups_gap_vs_examples_{dataset}.tsv"
+
+
+# ---------------------------------------------------------------- the audits (targets audit, audit_mechanism)
+
+
+use rule plot_groups_cost as plot_audit_epsilon with:
+    input:
+        summary="results/audit/{dataset}/summary.parquet",
+    output:
+        png=figure_report("results/figures/audit_epsilon_{dataset}.png", "audit_epsilon", AUDIT, "{dataset}",
+                          figure="empirical vs claimed epsilon", dataset="{dataset}"),
+        pdf="results/figures/audit_epsilon_{dataset}.pdf",
+    log:
+        "results/logs/figures/audit_epsilon_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/audit_epsilon_{dataset}.tsv"
+
+
+use rule plot_groups_cost as plot_audit_mechanism_epsilon with:
+    input:
+        mechanism="results/audit/{dataset}/mechanism.csv",
+    output:
+        png=figure_report("results/figures/audit_mechanism_epsilon_{dataset}.png", "audit_mechanism_epsilon", AUDIT,
+                          "{dataset}", figure="empirical vs claimed epsilon, white-box", dataset="{dataset}"),
+        pdf="results/figures/audit_mechanism_epsilon_{dataset}.pdf",
+    log:
+        "results/logs/figures/audit_mechanism_epsilon_{dataset}.log",
+    benchmark:
+        "results/benchmarks/figures/audit_mechanism_epsilon_{dataset}.tsv"
+
+
+# ---------------------------------------------------------------- the mean-estimation study
+
+
+use rule plot_noise_vs_group_size as plot_mean_estimation_vs_epsilon with:
+    input:
+        results="results/mean_estimation/results.parquet",
+    output:
+        png=figure_report("results/figures/mean_estimation_vs_epsilon.png", "mean_estimation_vs_epsilon",
+                          MEAN_ESTIMATION, figure="error vs epsilon", format="PNG"),
+        pdf=figure_report("results/figures/mean_estimation_vs_epsilon.pdf", "mean_estimation_vs_epsilon",
+                          MEAN_ESTIMATION, figure="error vs epsilon", format="PDF"),
+    log:
+        "results/logs/figures/mean_estimation_vs_epsilon.log",
+    benchmark:
+        "results/benchmarks/figures/mean_estimation_vs_epsilon.tsv"
+
+
+use rule plot_mean_estimation_vs_epsilon as plot_mean_estimation_vs_diversity with:
+    output:
+        png=figure_report("results/figures/mean_estimation_vs_diversity.png", "mean_estimation_vs_diversity",
+                          MEAN_ESTIMATION, figure="error vs intra-user diversity", format="PNG"),
+        pdf=figure_report("results/figures/mean_estimation_vs_diversity.pdf", "mean_estimation_vs_diversity",
+                          MEAN_ESTIMATION, figure="error vs intra-user diversity", format="PDF"),
+    log:
+        "results/logs/figures/mean_estimation_vs_diversity.log",
+    benchmark:
+        "results/benchmarks/figures/mean_estimation_vs_diversity.tsv"
+
+
+use rule plot_mean_estimation_vs_epsilon as plot_mean_estimation_vs_budget with:
+    output:
+        png=figure_report("results/figures/mean_estimation_vs_budget.png", "mean_estimation_vs_budget",
+                          MEAN_ESTIMATION, figure="error vs compute budget", format="PNG"),
+        pdf=figure_report("results/figures/mean_estimation_vs_budget.pdf", "mean_estimation_vs_budget",
+                          MEAN_ESTIMATION, figure="error vs compute budget", format="PDF"),
+    log:
+        "results/logs/figures/mean_estimation_vs_budget.log",
+    benchmark:
+        "results/benchmarks/figures/mean_estimation_vs_budget.tsv"
+
+
+use rule plot_mean_estimation_vs_epsilon as plot_mean_estimation_vs_group_size with:
+    output:
+        png=figure_report("results/figures/mean_estimation_vs_group_size.png", "mean_estimation_vs_group_size",
+                          MEAN_ESTIMATION, figure="error vs contribution bound G", format="PNG"),
+        pdf=figure_report("results/figures/mean_estimation_vs_group_size.pdf", "mean_estimation_vs_group_size",
+                          MEAN_ESTIMATION, figure="error vs contribution bound G", format="PDF"),
+    log:
+        "results/logs/figures/mean_estimation_vs_group_size.log",
+    benchmark:
+        "results/benchmarks/figures/mean_estimation_vs_group_size.tsv"

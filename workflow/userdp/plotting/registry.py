@@ -1,23 +1,23 @@
-"""The registry of figures: every figure of the pipeline is declared here, once.
+"""The registry of figures: every figure's plotting function and family, declared once.
 
-From these declarations come
-- the figure rules (workflow/rules/figures.smk makes one rule `plot_<name>`
-  per figure, with its inputs, its PNG and PDF outputs, its report entry
-  and its plot params),
-- the figure targets of rule `all` (`figure_targets`),
+The rules that draw them are written out in workflow/rules/figures.smk
+(`plot_<name>`: inputs, PNG and PDF outputs, report entry, params);
+from here come
 - the dispatch of the one plot script (workflow/scripts/plot_figure.py
-  looks the figure up by its rule's name and calls `Figure.draw`).
+  looks the figure up by its rule's name and calls `Figure.draw`),
+- the figure targets of rule `all` and of the audit targets
+  (`figure_targets`; tests/test_layout.py checks that each is an output
+  a rule spells).
 
 Paths, by convention from the figure's name:
     results/figures/<name>_<dataset>.png|pdf  (per-dataset families)
     results/figures/<name>.png|pdf            (one figure per workflow)
-    results/logs/figures/<name>[_<dataset>].log
     workflow/report/<name>.rst                (the report caption)
 
 Adding a figure: write its plotting function (in a module of this package),
-register it below with `_register(Figure(...))`, and write its caption
-file. A new family also needs a `Family` with a `draw` adapter saying how
-its functions are called.
+register it below with `_register(Figure(...))`, write its rule in
+figures.smk and its caption file. A new family also needs a `Family` with
+a `draw` adapter saying how its functions are called.
 
 Plotting functions are named by a string ("lm.loss_vs_epsilon", relative to
 this package) and imported only when drawn, so reading the registry (the
@@ -27,14 +27,13 @@ Snakefile does, at every start) does not import matplotlib.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .. import grid, layout
+from .. import grid
 
 FORMATS = ("png", "pdf")
 FIGURE_DIR = "results/figures"
-LOG_DIR = layout.LOGS + "/figures"
 CAPTION_DIR = "workflow/report"
 
 #: draw adapter of a family: (plotting function, input paths by name, png, pdf, dataset or None, plot params)
@@ -80,22 +79,15 @@ def _draw_from_path(fn, inputs, png, pdf, dataset, params) -> None:
 
 @dataclass(frozen=True)
 class Family:
-    """Figures drawn the same way from the same kind of artifact, and shown together in the report.
+    """Figures drawn the same way from the same kind of artifact.
 
     `datasets` lists, for a config, the datasets a per-dataset family has a
-    figure for (None: one figure per workflow). `dataset_regex`, if given,
-    constrains the rules' {dataset} wildcard. `report_formats` are the
-    formats shown in the report; with more than one, each entry is labelled
-    with its format.
+    figure for (None: one figure per workflow).
     """
 
     name: str
-    category: str
     draw: DrawFn
     datasets: Callable[[Mapping], list[str]] | None = None
-    dataset_regex: Callable[[Mapping], str] | None = None
-    subcategory: str | None = None
-    report_formats: tuple[str, ...] = FORMATS
     #: Whether rule `all` draws the family (False: only its own target, e.g. `snakemake audit`).
     in_all: bool = True
 
@@ -106,22 +98,11 @@ class Family:
 
 @dataclass(frozen=True)
 class Figure:
-    """One figure: its name (file stem, rule plot_<name>, caption <name>.rst), inputs and plotting function.
-
-    `inputs` maps input names to artifact paths ({dataset} in per-dataset
-    families). `labels` are its report labels. `params`, if given, computes
-    plot arguments from the config; they become rule params, so changing
-    the config value re-plots the figure. `config_inputs`, if given, adds
-    inputs that depend on the config (`inputs_for`).
-    """
+    """One figure: its name (file stem, rule plot_<name>, caption <name>.rst), family and plotting function."""
 
     name: str
     family: Family
-    inputs: Mapping[str, str]
     function: str
-    labels: Mapping[str, str] | None = None
-    params: Callable[[Mapping], dict] | None = field(default=None, compare=False)
-    config_inputs: Callable[[Mapping], Mapping[str, str]] | None = field(default=None, compare=False)
 
     @property
     def rule(self) -> str:
@@ -132,31 +113,11 @@ class Figure:
         """The caption file, relative to the repository root."""
         return f"{CAPTION_DIR}/{self.name}.rst"
 
-    def _stem(self, dataset: str | None) -> str:
-        if not self.family.per_dataset:
-            return self.name
-        return f"{self.name}_{dataset if dataset is not None else '{dataset}'}"
-
     def path(self, fmt: str, dataset: str | None = None) -> str:
         """The output file in format `fmt` (a template with {dataset} for per-dataset figures when no dataset)."""
-        return f"{FIGURE_DIR}/{self._stem(dataset)}.{fmt}"
-
-    @property
-    def log(self) -> str:
-        return f"{LOG_DIR}/{self._stem(None)}.log"
-
-    def report_labels(self, fmt: str) -> dict[str, str] | None:
-        """The report labels of the `fmt` file (its format added when the report shows several)."""
-        if len(self.family.report_formats) < 2:
-            return None if self.labels is None else dict(self.labels)
-        return {**(self.labels or {}), "format": fmt.upper()}
-
-    def inputs_for(self, config: Mapping) -> dict[str, str]:
-        """The figure rule's inputs under `config`: `inputs` plus `config_inputs`."""
-        return {**self.inputs, **({} if self.config_inputs is None else self.config_inputs(config))}
-
-    def plot_params(self, config: Mapping) -> dict:
-        return {} if self.params is None else dict(self.params(config))
+        if not self.family.per_dataset:
+            return f"{FIGURE_DIR}/{self.name}.{fmt}"
+        return f"{FIGURE_DIR}/{self.name}_{dataset if dataset is not None else '{dataset}'}.{fmt}"
 
     def plot_function(self) -> Callable[..., Any]:
         module, _, attr = self.function.rpartition(".")
@@ -167,30 +128,19 @@ class Figure:
         self.family.draw(self.plot_function(), inputs, str(png), str(pdf), dataset, params)
 
 
-LM = Family(
-    "lm", "Language-model fine-tuning", _draw_returned_figure, datasets=grid.grid_datasets, subcategory="{dataset}"
-)
-MEAN_ESTIMATION = Family("mean_estimation", "Mean estimation (synthetic)", _draw_mean_estimation)
-CONTRIBUTIONS = Family(
-    "contributions", "Data", _draw_contributions, datasets=lambda config: list(config["datasets"]),
-    dataset_regex=lambda config: layout.names_regex(list(config["datasets"])), report_formats=("png",),
-)
-ACCOUNTING = Family("accounting", "Accounting", _draw_from_path)  # PNG and PDF in the report
-
-
+LM = Family("lm", _draw_returned_figure, datasets=grid.grid_datasets)
+MEAN_ESTIMATION = Family("mean_estimation", _draw_mean_estimation)
+CONTRIBUTIONS = Family("contributions", _draw_contributions, datasets=lambda config: list(config["datasets"]))
+ACCOUNTING = Family("accounting", _draw_from_path)
 # The membership audit (target `audit`, not rule all: it trains its own runs).
-AUDIT = Family("audit", "Privacy audit", _draw_returned_figure, datasets=grid.audited_datasets, subcategory="{dataset}",
-               report_formats=("png",), in_all=False)
+AUDIT = Family("audit", _draw_returned_figure, datasets=grid.audited_datasets, in_all=False)
 # The white-box audit of the mechanism (target `audit_mechanism`): the same figure from mechanism.csv.
-AUDIT_MECHANISM = Family("audit_mechanism", "Privacy audit", _draw_returned_figure, datasets=grid.audited_datasets,
-                         subcategory="{dataset}", report_formats=("png",), in_all=False)
+AUDIT_MECHANISM = Family("audit_mechanism", _draw_returned_figure, datasets=grid.audited_datasets, in_all=False)
 # Who pays for privacy: the cost of privacy per user group (rule groups' tables), per grid dataset.
-GROUPS = Family("groups", "Who pays for privacy", _draw_returned_figure, datasets=grid.grid_datasets,
-                subcategory="{dataset}", report_formats=("png",))
+GROUPS = Family("groups", _draw_returned_figure, datasets=grid.grid_datasets)
 # The options of grid.options against the grid's DP-SGD, per grid dataset (none without options).
-OPTIONS = Family("options", "Language-model fine-tuning", _draw_returned_figure,
-                 datasets=lambda config: grid.grid_datasets(config) if config["grid"]["options"] else [],
-                 subcategory="{dataset}")
+OPTIONS = Family("options", _draw_returned_figure,
+                 datasets=lambda config: grid.grid_datasets(config) if config["grid"]["options"] else [])
 FAMILIES = {f.name: f for f in (LM, MEAN_ESTIMATION, CONTRIBUTIONS, ACCOUNTING, AUDIT, AUDIT_MECHANISM, GROUPS,
                                 OPTIONS)}
 
@@ -204,66 +154,29 @@ def _register(figure: Figure) -> None:
     FIGURES[figure.name] = figure
 
 
-def _group_sweep_point(config: Mapping) -> dict:
-    at = grid.group_sweep_point(config)
-    return {"epsilon": at["epsilon"], "budget": at["budget"]}
+_register(Figure("contributions", CONTRIBUTIONS, "contributions.plot_contributions"))
+_register(Figure("noise_vs_group_size", ACCOUNTING, "accounting.plot_noise_vs_group_size"))
+_register(Figure("lm_loss_vs_epsilon", LM, "lm.loss_vs_epsilon"))
+_register(Figure("lm_loss_vs_budget", LM, "lm.loss_vs_budget"))
+_register(Figure("lm_uls_minus_els", LM, "lm.uls_minus_els"))
+_register(Figure("lm_loss_vs_group_size", LM, "lm.loss_vs_group_size"))
+_register(Figure("training_curves", LM, "lm.training_curves"))
+_register(Figure("lm_options_loss_gap", OPTIONS, "lm.options_loss_gap"))
+_register(Figure("groups_cost", GROUPS, "groups.cost_by_group"))
+_register(Figure("groups_gap_vs_examples", GROUPS, "groups.gap_vs_examples"))
+_register(Figure("audit_epsilon", AUDIT, "audit.empirical_vs_claimed"))
+_register(Figure("audit_mechanism_epsilon", AUDIT_MECHANISM, "audit.mechanism_vs_claimed"))
+_register(Figure("mean_estimation_vs_epsilon", MEAN_ESTIMATION, "mean_estimation.plot_vs_epsilon"))
+_register(Figure("mean_estimation_vs_diversity", MEAN_ESTIMATION, "mean_estimation.plot_vs_diversity"))
+_register(Figure("mean_estimation_vs_budget", MEAN_ESTIMATION, "mean_estimation.plot_vs_budget"))
+_register(Figure("mean_estimation_vs_group_size", MEAN_ESTIMATION, "mean_estimation.plot_vs_group_size"))
 
 
-_LM_SUMMARY = {"summary": layout.SUMMARY, "pretrained": layout.PRETRAINED_METRICS}
-_ME_RESULTS = {"results": layout.MEAN_ESTIMATION_RESULTS}
-
-def _contribution_release(config: Mapping) -> dict[str, str]:
-    # With privacy.contribution_stats.private the figure draws the DP histogram (contributions.json then holds
-    # only the users per split).
-    from ..privacy.targets import stats_private
-
-    return {"release": layout.CONTRIBUTIONS_DP} if stats_private(config) else {}
-
-
-_register(Figure("contributions", CONTRIBUTIONS, {"stats": layout.CONTRIBUTIONS},
-                 "contributions.plot_contributions", labels={"figure": "contributions", "dataset": "{dataset}"},
-                 config_inputs=_contribution_release))
-_register(Figure("noise_vs_group_size", ACCOUNTING, {"comparison": layout.ACCOUNTING_COMPARISON},
-                 "accounting.plot_noise_vs_group_size"))
-_register(Figure("lm_loss_vs_epsilon", LM, _LM_SUMMARY, "lm.loss_vs_epsilon",
-                 labels={"figure": "test loss vs epsilon"}))
-_register(Figure("lm_loss_vs_budget", LM, _LM_SUMMARY, "lm.loss_vs_budget",
-                 labels={"figure": "test loss vs compute budget"}))
-_register(Figure("lm_uls_minus_els", LM, _LM_SUMMARY, "lm.uls_minus_els",
-                 labels={"figure": "ULS - ELS over epsilon and budget"}))
-_register(Figure("lm_loss_vs_group_size", LM, _LM_SUMMARY, "lm.loss_vs_group_size",
-                 labels={"figure": "test loss vs group size G"}, params=_group_sweep_point))
-_register(Figure("training_curves", LM, {"curves": layout.TRAIN_CURVES},
-                 "lm.training_curves", labels={"figure": "training curves"}))
-_register(Figure("lm_options_loss_gap", OPTIONS, {"summary": layout.SUMMARY, "options": layout.OPTIONS_SUMMARY},
-                 "lm.options_loss_gap", labels={"figure": "loss gap to non-private per option"}))
-
-
-def _per_user_points(config: Mapping) -> dict:
-    # groups.per_user_points: per dataset, whether the figure draws a point per held-out test user
+def per_user_points(config: Mapping) -> dict[str, bool]:
+    """groups.per_user_points: per grid dataset, whether groups_gap_vs_examples draws a point per test user."""
     mode = config["groups"]["per_user_points"]
-    return {"points": {d: mode == "always" or (mode == "synthetic" and config["datasets"][d].get("source")
-                                                == "synthetic") for d in grid.grid_datasets(config)}}
-
-
-_register(Figure("groups_cost", GROUPS, {"groups": layout.GROUPS, "summary": layout.SUMMARY},
-                 "groups.cost_by_group", labels={"figure": "cost of privacy per user group", "dataset": "{dataset}"}))
-_register(Figure("groups_gap_vs_examples", GROUPS, {"users": layout.SUMMARY_USERS, "summary": layout.SUMMARY},
-                 "groups.gap_vs_examples", labels={"figure": "cost of privacy vs the user's examples",
-                                                   "dataset": "{dataset}"}, params=_per_user_points))
-_register(Figure("audit_epsilon", AUDIT, {"summary": layout.AUDIT_SUMMARY}, "audit.empirical_vs_claimed",
-                 labels={"figure": "empirical vs claimed epsilon", "dataset": "{dataset}"}))
-_register(Figure("audit_mechanism_epsilon", AUDIT_MECHANISM, {"mechanism": layout.AUDIT_MECHANISM},
-                 "audit.mechanism_vs_claimed",
-                 labels={"figure": "empirical vs claimed epsilon, white-box", "dataset": "{dataset}"}))
-_register(Figure("mean_estimation_vs_epsilon", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_epsilon",
-                 labels={"figure": "error vs epsilon"}))
-_register(Figure("mean_estimation_vs_diversity", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_diversity",
-                 labels={"figure": "error vs intra-user diversity"}))
-_register(Figure("mean_estimation_vs_budget", MEAN_ESTIMATION, _ME_RESULTS, "mean_estimation.plot_vs_budget",
-                 labels={"figure": "error vs compute budget"}))
-_register(Figure("mean_estimation_vs_group_size", MEAN_ESTIMATION, _ME_RESULTS,
-                 "mean_estimation.plot_vs_group_size", labels={"figure": "error vs contribution bound G"}))
+    return {d: mode == "always" or (mode == "synthetic" and config["datasets"][d].get("source") == "synthetic")
+            for d in grid.grid_datasets(config)}
 
 
 def figure_of_rule(rule: str) -> Figure:
