@@ -9,7 +9,7 @@ from scipy import stats
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
-from userdp.errors import PrivacyError
+from userdp.errors import AccountingLimitError, PrivacyError
 from userdp.privacy import _dp_accounting_compat as compat
 from userdp.privacy import accounting as A
 
@@ -331,3 +331,20 @@ def test_user_level_accountant_delta_and_its_refusals():
         A.UserLevelAccountant().compose(dp_accounting.SelfComposedDpEvent(unsupported, 3))
     with pytest.raises(PrivacyError, match="delta is 0"):
         acc.get_epsilon(0.0)
+
+
+def test_user_level_accountant_delta_checks_the_composed_size(monkeypatch):
+    """get_delta composes the steps with the fixed releases under the same memory bound as get_epsilon."""
+    d = 1e-3
+    acc = A.UserLevelAccountant(discretization=d).compose(poisson_event(1.5, 0.05, 40)).compose(
+        dp_accounting.LaplaceDpEvent(20.0))
+    eps = acc.get_epsilon(1e-5)
+    assert 0 < acc.get_delta(eps) <= 1e-5 * (1 + 1e-9)
+    checked = []
+    real = A.check_pld_size
+    monkeypatch.setattr(A, "check_pld_size", lambda points, what, disc: (checked.append(what), real(points, what, disc)))
+    acc.get_delta(eps)
+    assert "the training steps composed with the fixed releases" in checked
+    monkeypatch.setattr(A, "MAX_PLD_POINTS", 1)
+    with pytest.raises(AccountingLimitError, match="MAX_PLD_POINTS"):
+        acc.get_delta(eps)

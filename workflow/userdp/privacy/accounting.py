@@ -720,11 +720,8 @@ class UserLevelAccountant(dp_accounting.PrivacyAccountant):
         """The smallest delta at which the composed events are (target_epsilon, delta)-DP (1 if non-private)."""
         if not self._private:
             return 1.0
-        extra = tuple(self._fixed)
-        pld = _steps_pld(self._steps, self.discretization) if self._steps else None
-        if extra:
-            fixed = _fixed_pld(extra, self.discretization)
-            pld = fixed if pld is None else pld.compose(fixed)
+        pld = _with_fixed(_steps_pld(self._steps, self.discretization) if self._steps else None,
+                          tuple(self._fixed), self.discretization)
         return 0.0 if pld is None else float(pld.get_delta_for_epsilon(float(target_epsilon)))
 
 
@@ -770,14 +767,21 @@ def fixed_events_epsilon(extra_events, delta: float, discretization: float = FIN
     return float(epsilon_for_delta(_fixed_pld(extra, float(discretization)), delta))
 
 
+def _with_fixed(pld, extra_events: tuple, discretization: float):
+    """The training PLD (None: no steps) composed with the fixed events when there are any, size-checked."""
+    if not extra_events:
+        return pld
+    fixed = _fixed_pld(extra_events, discretization)
+    if pld is None:
+        return fixed
+    check_pld_size(pld_points(pld) + pld_points(fixed), "the training steps composed with the fixed releases",
+                   discretization)
+    return pld.compose(fixed)
+
+
 def _epsilon_of(pld, extra_events: tuple, delta: float, discretization: float) -> float:
     """epsilon(delta) of the training PLD, composed with the fixed events when there are any."""
-    if extra_events:
-        fixed = _fixed_pld(extra_events, discretization)
-        check_pld_size(pld_points(pld) + pld_points(fixed), "the training steps composed with the fixed releases",
-                       discretization)
-        pld = pld.compose(fixed)
-    return float(epsilon_for_delta(pld, delta))
+    return float(epsilon_for_delta(_with_fixed(pld, extra_events, discretization), delta))
 
 
 def log_group_delta_factor(group_size: int, eps_ex: float) -> float:
