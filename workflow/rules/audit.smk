@@ -72,6 +72,12 @@ use rule finetune as audit_finetune with:
     output:
         # one run, at the audit's learning rate: its ledger, train log and model (no evaluation)
         run_outputs("results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"),
+    params:
+        learning_rates=[float(lr) for lr in LEARNING_RATES],
+        model=base_model,
+        settings=finetune_settings,
+        # no held-out evaluation: rule audit_score scores the run on its canaries
+        evaluation=None,
     wildcard_constraints:
         budget=str(AUDIT_BUDGET),
     log:

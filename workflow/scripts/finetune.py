@@ -9,7 +9,8 @@ spread over that many data-parallel processes (torchrun); see
 userdp.training.distributed. Then each run's model is evaluated on the
 held-out users (userdp.evaluation.metrics.evaluate_runs: eval.json and
 eval_users.parquet in the run folder), in this process: one start-up serves
-training and evaluation.
+training and evaluation. Rule audit_finetune (`evaluation` param None) trains
+only.
 """
 
 import torch
@@ -42,6 +43,8 @@ def main() -> None:
         for lr, run_dir in runs
     ]
     finetune_job.launch_sweep(jobs, processes=int(getattr(sm.resources, "gpu", 0) or 0))
+    if p.evaluation is None:  # the audit's runs (rule audit_finetune): scored on their canaries instead
+        return
     # the evaluation: which users and splits are the rule's `evaluation` param; batch size and device change
     # no metric beyond float rounding (from the config, no params)
     ev, settings = p.evaluation, untracked(sm.config, *EVALUATE_UNTRACKED_KEYS)
