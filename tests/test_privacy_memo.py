@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,23 @@ def test_an_unwritable_folder_only_skips_the_memo(tmp_path, monkeypatch):
     blocker.write_text("x")
     monkeypatch.setenv(memo.ENV, str(blocker / "memo"))  # a folder under a file cannot be made
     assert A.epsilon(event(), 1e-6, 1e-3) > 0
+
+
+def test_the_code_version_covers_every_module_the_accountant_imports():
+    """A change to any privacy module accounting.py uses (directly or through another) changes every key: a memo
+    entry is never served for numbers that code no longer computes."""
+    import ast
+
+    here = Path(memo.__file__).parent
+    seen, todo = set(), ["accounting.py"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse((here / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                todo += [f"{n}.py" for n in names if (here / f"{n}.py").is_file()]
+    assert {"pld_arrays.py", "_dp_accounting_compat.py", "memo.py"} <= seen  # the walk finds the imports
+    assert seen <= set(memo._SOURCES), sorted(seen - set(memo._SOURCES))

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 #: Environment variable naming the memo folder (unset or empty: no memo).
 ENV = "USERDP_ACCOUNTING_MEMO"
 
-#: Source files whose code determines an accountant's numbers (their hash is part of every key).
-_SOURCES = ("accounting.py", "rdp.py", "memo.py")
+#: Source files whose code determines an accountant's numbers (their hash is part of every key): the memoized
+#: accountant (accounting.py) and every module of this package it imports (tests/test_privacy_memo.py checks).
+_SOURCES = ("accounting.py", "pld_arrays.py", "_dp_accounting_compat.py", "rdp.py", "memo.py")
 
 
 @lru_cache(maxsize=1)
