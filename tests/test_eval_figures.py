@@ -176,7 +176,8 @@ def test_each_registered_figure_has_its_rule_with_its_paths_and_caption():
         others = [o for o in registry.FIGURES.values() if o is not fig and f'"{o.path("png")}"' in text]
         assert not others, (fig.rule, [o.name for o in others])
     # the G-sweep figure is told the sweep's point, the groups figure the per-user-points choice
-    assert "epsilon=SWEEP_POINT" in rules["plot_lm_loss_vs_group_size"]
+    assert 'epsilon=SWEEP_POINT["epsilon"]' in rules["plot_lm_loss_vs_group_size"]
+    assert 'budget=SWEEP_POINT["budget"]' in rules["plot_lm_loss_vs_group_size"]
     assert "points=per_user_points(config)" in rules["plot_groups_gap_vs_examples"]
 
 

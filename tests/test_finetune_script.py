@@ -1,7 +1,7 @@
 """workflow/scripts/finetune.py, run as Snakemake runs it (a `snakemake` object in its globals), with the training
 and the evaluation replaced by recorders: rule finetune evaluates every run it trains on the held-out users of
 its `evaluation` param; rule audit_finetune (`evaluation` None) trains only (its runs are scored on their
-canaries by rule audit_score, so no eval.json is written beside them)."""
+canaries by rule audit_score, so no eval.json is written beside them), with the audit's own seeds."""
 
 from __future__ import annotations
 
@@ -26,17 +26,17 @@ class _Wildcards(SimpleNamespace):
         return getattr(self, name, default)
 
 
-def _run_script(tmp_path, monkeypatch, evaluation):
+def _run_script(tmp_path, monkeypatch, evaluation, **extra_params):
     config = validate_config(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
     rates = [float(lr) for lr in config["training"]["learning_rates"]]
     runs = [str(tmp_path / f"lr~{lr:g}") for lr in rates]
     trained, evaluated = [], []
-    monkeypatch.setattr(finetune_job, "launch_sweep", lambda jobs, processes: trained.extend(j.run_dir for j in jobs))
+    monkeypatch.setattr(finetune_job, "launch_sweep", lambda jobs, processes: trained.extend(jobs))
     monkeypatch.setattr(metrics, "evaluate_runs", lambda runs, tokens, **kw: evaluated.append((runs, tokens, kw)))
     sm = SimpleNamespace(
         log=[str(tmp_path / "job.log")],
         params=SimpleNamespace(settings=finetune_params(config, "synth"), learning_rates=rates, model="base",
-                               evaluation=evaluation(config)),
+                               evaluation=evaluation(config), **extra_params),
         config=config,
         wildcards=_Wildcards(dataset="synth", method="uls", eps="1", budget="2000", seed="0"),
         output=[f"{run}/ledger.json" for run in runs],
@@ -50,19 +50,23 @@ def _run_script(tmp_path, monkeypatch, evaluation):
 
 def test_rule_finetune_trains_then_evaluates_every_run(tmp_path, monkeypatch):
     runs, trained, evaluated = _run_script(tmp_path, monkeypatch, evaluation_params)
-    assert trained == runs
+    assert [j.run_dir for j in trained] == runs and not any(j.audit for j in trained)
     ((rate_runs, tokens, kw),) = evaluated
     assert [run for _, run in rate_runs] == runs and tokens == "tokens.parquet"
     assert kw["dataset"] == "synth" and kw["max_users"] == 300 and kw["root_seed"] == 0
 
 
 def test_rule_audit_finetune_trains_only(tmp_path, monkeypatch):
-    runs, trained, evaluated = _run_script(tmp_path, monkeypatch, lambda config: None)
-    assert trained == runs and evaluated == []
+    runs, trained, evaluated = _run_script(tmp_path, monkeypatch, lambda config: None, audit=True)
+    assert [j.run_dir for j in trained] == runs and evaluated == []
+    assert all(j.audit for j in trained)  # its own seeds (training.run_seeds)
 
 
 def test_the_audit_rule_passes_no_evaluation():
-    """audit.smk's audit_finetune replaces finetune's params with `evaluation=None` (the script's switch)."""
+    """audit.smk's audit_finetune replaces finetune's params with its shared ones (common.smk: FINETUNE_PARAMS)
+    and `evaluation=None` (the script's switch) and `audit=True` (the runs' own seeds), nothing else."""
     text = (REPO / "workflow" / "rules" / "audit.smk").read_text()
     block = text[text.index("use rule finetune as audit_finetune"):text.index("rule audit_score:")]
-    assert "evaluation=None" in block
+    params = block[block.index("    params:\n"):block.index("    wildcard_constraints:")]
+    lines = [ln.strip() for ln in params.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert lines == ["params:", "**FINETUNE_PARAMS,", "evaluation=None,", "audit=True,"]

@@ -302,5 +302,6 @@ def test_an_options_runs_draw_their_own_samples_and_noise():
     base = run_seeds(0, 1, "toy", "uls", "1", 100, 1, 0.001)
     assert run_seeds(0, 1, "toy", "uls", "1", 100, 1, 0.001, option=None) == base
     bc, ftrl = (run_seeds(0, 1, "toy", "uls", "1", 100, 1, 0.001, option=o) for o in ("bc", "ftrl"))
+    audit = run_seeds(0, 1, "toy", "uls", "1", 100, 1, 0.001, audit=True)  # the audit's run of the same cell
     for k in ("sampler", "noise", "torch"):
-        assert len({base[k], bc[k], ftrl[k]}) == 3, k
+        assert len({base[k], bc[k], ftrl[k], audit[k]}) == 4, k

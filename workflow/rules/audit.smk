@@ -73,11 +73,11 @@ use rule finetune as audit_finetune with:
         # one run, at the audit's learning rate: its ledger, train log and model (no evaluation)
         run_outputs("results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"),
     params:
-        learning_rates=[float(lr) for lr in LEARNING_RATES],
-        model=base_model,
-        settings=finetune_settings,
+        **FINETUNE_PARAMS,
         # no held-out evaluation: rule audit_score scores the run on its canaries
         evaluation=None,
+        # the audit's runs draw their own samples and noise (userdp.training.run_seeds), not the grid's
+        audit=True,
     wildcard_constraints:
         budget=str(AUDIT_BUDGET),
     log:
@@ -130,7 +130,7 @@ rule audit_summary:
         table=report(
             "results/audit/{dataset}/table.html",
             caption="../report/audit_table.rst",
-            category="Privacy audit",
+            category=REPORT_AUDIT,
             subcategory="{dataset}",
             labels={"table": "empirical vs claimed epsilon", "dataset": "{dataset}"},
         ),

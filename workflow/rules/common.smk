@@ -204,6 +204,18 @@ def finetune_settings(wildcards):
     return finetune_params(OPTIONS[option] if option else config, wildcards.dataset)
 
 
+# The params shared by finetune and the fine-tuning rules reused from it, all but `evaluation`.
+# learning_rates holds every rate (the same in both sweep_jobs modes, so switching reruns nothing; a job trains
+# those of its outputs' run folders, in order, and restores a run that already finished, in an earlier job that
+# was killed or in a rerun of an unchanged run, from its finished/ record); model is the base model; settings
+# what else changes a run (finetune_settings).
+FINETUNE_PARAMS = dict(
+    learning_rates=[float(lr) for lr in LEARNING_RATES],
+    model=base_model,
+    settings=finetune_settings,
+)
+
+
 def cell_plan(wildcards):
     """The plan the cell in a {cell} wildcard trains with (userdp.grid.Cell.plan_path)."""
     return grid.cell_of_dir(f"results/runs/{wildcards.dataset}/{wildcards.cell}", config).plan_path
@@ -323,11 +335,14 @@ def all_targets():
 
 from userdp.plotting.registry import per_user_points
 
-# The report's categories of the figures.
-LM = "Language-model fine-tuning"
-GROUPS = "Who pays for privacy"
-AUDIT = "Privacy audit"
-MEAN_ESTIMATION = "Mean estimation (synthetic)"
+# The report's categories (of the figures and tables).
+REPORT_DATA = "Data"
+REPORT_ACCOUNTING = "Accounting"
+REPORT_LM = "Language-model fine-tuning"
+REPORT_GROUPS = "Who pays for privacy"
+REPORT_AUDIT = "Privacy audit"
+REPORT_MEAN_ESTIMATION = "Mean estimation (synthetic)"
+REPORT_FINDINGS = "Findings"
 # The (epsilon, budget) of the G sweep, drawn by plot_lm_loss_vs_group_size.
 SWEEP_POINT = grid.group_sweep_point(config)
 

@@ -150,7 +150,7 @@ rule aggregate:
         csv=report(
             "results/summary/{dataset}/metrics.csv",
             caption="../report/metrics_table.rst",
-            category="Language-model fine-tuning",
+            category=REPORT_LM,
             subcategory="{dataset}",
             labels={"table": "metrics per cell", "dataset": "{dataset}"},
         ),
@@ -187,7 +187,7 @@ rule aggregate_options:
         csv=report(
             "results/summary/{dataset}/options.csv",
             caption="../report/options_table.rst",
-            category="Language-model fine-tuning",
+            category=REPORT_LM,
             subcategory="{dataset}",
             labels={"table": "metrics per option cell", "dataset": "{dataset}"},
         ),
@@ -224,7 +224,7 @@ rule groups:
         csv=report(
             "results/summary/{dataset}/groups.csv",
             caption="../report/groups_table.rst",
-            category="Who pays for privacy",
+            category=REPORT_GROUPS,
             subcategory="{dataset}",
             labels={"table": "cost of privacy per user group", "dataset": "{dataset}"},
         ),

@@ -2,9 +2,11 @@
 # with the plotting function userdp.plotting.registry names for <name>. Each reads
 # only finished artifacts (changing a plot never reruns anything else) and writes
 # PNG and PDF; the report shows them with their caption, workflow/report/<name>.rst.
-# The first figure of a family is written out; the family's others reuse it
-# (`use rule ... with:`) and change their outputs, log and benchmark, and their
-# inputs or params where they differ. Rule all's figure targets:
+# plot_contributions is written out in full; every other rule reuses it, or a
+# rule derived from it (`use rule ... with:`), and changes its outputs, log and
+# benchmark, and its inputs or params where they differ (a rule's params reach
+# its plotting function as keyword arguments: the rules that add params are
+# derived from by no other family). Rule all's figure targets:
 # userdp.plotting.registry.figure_targets (tests/test_eval_figures.py checks that
 # each is an output spelled here). figure_report and the category names: common.smk.
 
@@ -18,7 +20,7 @@ rule plot_contributions:
         # With DP contribution statistics the figure draws the DP histogram.
         **({"release": "results/data/{dataset}/contributions_dp.json"} if stats_private(config) else {}),
     output:
-        png=figure_report("results/figures/contributions_{dataset}.png", "contributions", "Data",
+        png=figure_report("results/figures/contributions_{dataset}.png", "contributions", REPORT_DATA,
                           figure="contributions", dataset="{dataset}"),
         pdf="results/figures/contributions_{dataset}.pdf",
     wildcard_constraints:
@@ -42,9 +44,9 @@ use rule plot_contributions as plot_noise_vs_group_size with:
     input:
         comparison="results/accounting/comparison.parquet",
     output:
-        png=figure_report("results/figures/noise_vs_group_size.png", "noise_vs_group_size", "Accounting",
+        png=figure_report("results/figures/noise_vs_group_size.png", "noise_vs_group_size", REPORT_ACCOUNTING,
                           format="PNG"),
-        pdf=figure_report("results/figures/noise_vs_group_size.pdf", "noise_vs_group_size", "Accounting",
+        pdf=figure_report("results/figures/noise_vs_group_size.pdf", "noise_vs_group_size", REPORT_ACCOUNTING,
                           format="PDF"),
     log:
         "results/logs/figures/noise_vs_group_size.log",
@@ -60,9 +62,9 @@ use rule plot_contributions as plot_lm_loss_vs_epsilon with:
         summary="results/summary/{dataset}/metrics.parquet",
         pretrained="results/runs/{dataset}/pretrained/metrics.json",
     output:
-        png=figure_report("results/figures/lm_loss_vs_epsilon_{dataset}.png", "lm_loss_vs_epsilon", LM, "{dataset}",
+        png=figure_report("results/figures/lm_loss_vs_epsilon_{dataset}.png", "lm_loss_vs_epsilon", REPORT_LM, "{dataset}",
                           figure="test loss vs epsilon", format="PNG"),
-        pdf=figure_report("results/figures/lm_loss_vs_epsilon_{dataset}.pdf", "lm_loss_vs_epsilon", LM, "{dataset}",
+        pdf=figure_report("results/figures/lm_loss_vs_epsilon_{dataset}.pdf", "lm_loss_vs_epsilon", REPORT_LM, "{dataset}",
                           figure="test loss vs epsilon", format="PDF"),
     log:
         "results/logs/figures/lm_loss_vs_epsilon_{dataset}.log",
@@ -72,9 +74,9 @@ use rule plot_contributions as plot_lm_loss_vs_epsilon with:
 
 use rule plot_lm_loss_vs_epsilon as plot_lm_loss_vs_budget with:
     output:
-        png=figure_report("results/figures/lm_loss_vs_budget_{dataset}.png", "lm_loss_vs_budget", LM, "{dataset}",
+        png=figure_report("results/figures/lm_loss_vs_budget_{dataset}.png", "lm_loss_vs_budget", REPORT_LM, "{dataset}",
                           figure="test loss vs compute budget", format="PNG"),
-        pdf=figure_report("results/figures/lm_loss_vs_budget_{dataset}.pdf", "lm_loss_vs_budget", LM, "{dataset}",
+        pdf=figure_report("results/figures/lm_loss_vs_budget_{dataset}.pdf", "lm_loss_vs_budget", REPORT_LM, "{dataset}",
                           figure="test loss vs compute budget", format="PDF"),
     log:
         "results/logs/figures/lm_loss_vs_budget_{dataset}.log",
@@ -84,9 +86,9 @@ use rule plot_lm_loss_vs_epsilon as plot_lm_loss_vs_budget with:
 
 use rule plot_lm_loss_vs_epsilon as plot_lm_uls_minus_els with:
     output:
-        png=figure_report("results/figures/lm_uls_minus_els_{dataset}.png", "lm_uls_minus_els", LM, "{dataset}",
+        png=figure_report("results/figures/lm_uls_minus_els_{dataset}.png", "lm_uls_minus_els", REPORT_LM, "{dataset}",
                           figure="ULS - ELS over epsilon and budget", format="PNG"),
-        pdf=figure_report("results/figures/lm_uls_minus_els_{dataset}.pdf", "lm_uls_minus_els", LM, "{dataset}",
+        pdf=figure_report("results/figures/lm_uls_minus_els_{dataset}.pdf", "lm_uls_minus_els", REPORT_LM, "{dataset}",
                           figure="ULS - ELS over epsilon and budget", format="PDF"),
     log:
         "results/logs/figures/lm_uls_minus_els_{dataset}.log",
@@ -96,9 +98,9 @@ use rule plot_lm_loss_vs_epsilon as plot_lm_uls_minus_els with:
 
 use rule plot_lm_loss_vs_epsilon as plot_lm_loss_vs_group_size with:
     output:
-        png=figure_report("results/figures/lm_loss_vs_group_size_{dataset}.png", "lm_loss_vs_group_size", LM,
+        png=figure_report("results/figures/lm_loss_vs_group_size_{dataset}.png", "lm_loss_vs_group_size", REPORT_LM,
                           "{dataset}", figure="test loss vs group size G", format="PNG"),
-        pdf=figure_report("results/figures/lm_loss_vs_group_size_{dataset}.pdf", "lm_loss_vs_group_size", LM,
+        pdf=figure_report("results/figures/lm_loss_vs_group_size_{dataset}.pdf", "lm_loss_vs_group_size", REPORT_LM,
                           "{dataset}", figure="test loss vs group size G", format="PDF"),
     params:
         # The (epsilon, budget) of the G sweep (grid.group_sweep).
@@ -114,9 +116,9 @@ use rule plot_lm_loss_vs_epsilon as plot_training_curves with:
     input:
         curves="results/summary/{dataset}/train_curves.parquet",
     output:
-        png=figure_report("results/figures/training_curves_{dataset}.png", "training_curves", LM, "{dataset}",
+        png=figure_report("results/figures/training_curves_{dataset}.png", "training_curves", REPORT_LM, "{dataset}",
                           figure="training curves", format="PNG"),
-        pdf=figure_report("results/figures/training_curves_{dataset}.pdf", "training_curves", LM, "{dataset}",
+        pdf=figure_report("results/figures/training_curves_{dataset}.pdf", "training_curves", REPORT_LM, "{dataset}",
                           figure="training curves", format="PDF"),
     log:
         "results/logs/figures/training_curves_{dataset}.log",
@@ -129,9 +131,9 @@ use rule plot_lm_loss_vs_epsilon as plot_lm_options_loss_gap with:
         summary="results/summary/{dataset}/metrics.parquet",
         options="results/summary/{dataset}/options.parquet",
     output:
-        png=figure_report("results/figures/lm_options_loss_gap_{dataset}.png", "lm_options_loss_gap", LM, "{dataset}",
+        png=figure_report("results/figures/lm_options_loss_gap_{dataset}.png", "lm_options_loss_gap", REPORT_LM, "{dataset}",
                           figure="loss gap to non-private per option", format="PNG"),
-        pdf=figure_report("results/figures/lm_options_loss_gap_{dataset}.pdf", "lm_options_loss_gap", LM, "{dataset}",
+        pdf=figure_report("results/figures/lm_options_loss_gap_{dataset}.pdf", "lm_options_loss_gap", REPORT_LM, "{dataset}",
                           figure="loss gap to non-private per option", format="PDF"),
     log:
         "results/logs/figures/lm_options_loss_gap_{dataset}.log",
@@ -147,7 +149,7 @@ use rule plot_contributions as plot_groups_cost with:
         groups="results/summary/{dataset}/groups.parquet",
         summary="results/summary/{dataset}/metrics.parquet",
     output:
-        png=figure_report("results/figures/groups_cost_{dataset}.png", "groups_cost", GROUPS, "{dataset}",
+        png=figure_report("results/figures/groups_cost_{dataset}.png", "groups_cost", REPORT_GROUPS, "{dataset}",
                           figure="cost of privacy per user group", dataset="{dataset}"),
         pdf="results/figures/groups_cost_{dataset}.pdf",
     log:
@@ -161,7 +163,7 @@ use rule plot_groups_cost as plot_groups_gap_vs_examples with:
         users="results/summary/{dataset}/users.parquet",
         summary="results/summary/{dataset}/metrics.parquet",
     output:
-        png=figure_report("results/figures/groups_gap_vs_examples_{dataset}.png", "groups_gap_vs_examples", GROUPS,
+        png=figure_report("results/figures/groups_gap_vs_examples_{dataset}.png", "groups_gap_vs_examples", REPORT_GROUPS,
                           "{dataset}", figure="cost of privacy vs the user's examples", dataset="{dataset}"),
         pdf="results/figures/groups_gap_vs_examples_{dataset}.pdf",
     params:
@@ -180,7 +182,7 @@ use rule plot_groups_cost as plot_audit_epsilon with:
     input:
         summary="results/audit/{dataset}/summary.parquet",
     output:
-        png=figure_report("results/figures/audit_epsilon_{dataset}.png", "audit_epsilon", AUDIT, "{dataset}",
+        png=figure_report("results/figures/audit_epsilon_{dataset}.png", "audit_epsilon", REPORT_AUDIT, "{dataset}",
                           figure="empirical vs claimed epsilon", dataset="{dataset}"),
         pdf="results/figures/audit_epsilon_{dataset}.pdf",
     log:
@@ -193,7 +195,7 @@ use rule plot_groups_cost as plot_audit_mechanism_epsilon with:
     input:
         mechanism="results/audit/{dataset}/mechanism.csv",
     output:
-        png=figure_report("results/figures/audit_mechanism_epsilon_{dataset}.png", "audit_mechanism_epsilon", AUDIT,
+        png=figure_report("results/figures/audit_mechanism_epsilon_{dataset}.png", "audit_mechanism_epsilon", REPORT_AUDIT,
                           "{dataset}", figure="empirical vs claimed epsilon, white-box", dataset="{dataset}"),
         pdf="results/figures/audit_mechanism_epsilon_{dataset}.pdf",
     log:
@@ -210,9 +212,9 @@ use rule plot_noise_vs_group_size as plot_mean_estimation_vs_epsilon with:
         results="results/mean_estimation/results.parquet",
     output:
         png=figure_report("results/figures/mean_estimation_vs_epsilon.png", "mean_estimation_vs_epsilon",
-                          MEAN_ESTIMATION, figure="error vs epsilon", format="PNG"),
+                          REPORT_MEAN_ESTIMATION, figure="error vs epsilon", format="PNG"),
         pdf=figure_report("results/figures/mean_estimation_vs_epsilon.pdf", "mean_estimation_vs_epsilon",
-                          MEAN_ESTIMATION, figure="error vs epsilon", format="PDF"),
+                          REPORT_MEAN_ESTIMATION, figure="error vs epsilon", format="PDF"),
     log:
         "results/logs/figures/mean_estimation_vs_epsilon.log",
     benchmark:
@@ -222,9 +224,9 @@ use rule plot_noise_vs_group_size as plot_mean_estimation_vs_epsilon with:
 use rule plot_mean_estimation_vs_epsilon as plot_mean_estimation_vs_diversity with:
     output:
         png=figure_report("results/figures/mean_estimation_vs_diversity.png", "mean_estimation_vs_diversity",
-                          MEAN_ESTIMATION, figure="error vs intra-user diversity", format="PNG"),
+                          REPORT_MEAN_ESTIMATION, figure="error vs intra-user diversity", format="PNG"),
         pdf=figure_report("results/figures/mean_estimation_vs_diversity.pdf", "mean_estimation_vs_diversity",
-                          MEAN_ESTIMATION, figure="error vs intra-user diversity", format="PDF"),
+                          REPORT_MEAN_ESTIMATION, figure="error vs intra-user diversity", format="PDF"),
     log:
         "results/logs/figures/mean_estimation_vs_diversity.log",
     benchmark:
@@ -234,9 +236,9 @@ use rule plot_mean_estimation_vs_epsilon as plot_mean_estimation_vs_diversity wi
 use rule plot_mean_estimation_vs_epsilon as plot_mean_estimation_vs_budget with:
     output:
         png=figure_report("results/figures/mean_estimation_vs_budget.png", "mean_estimation_vs_budget",
-                          MEAN_ESTIMATION, figure="error vs compute budget", format="PNG"),
+                          REPORT_MEAN_ESTIMATION, figure="error vs compute budget", format="PNG"),
         pdf=figure_report("results/figures/mean_estimation_vs_budget.pdf", "mean_estimation_vs_budget",
-                          MEAN_ESTIMATION, figure="error vs compute budget", format="PDF"),
+                          REPORT_MEAN_ESTIMATION, figure="error vs compute budget", format="PDF"),
     log:
         "results/logs/figures/mean_estimation_vs_budget.log",
     benchmark:
@@ -246,9 +248,9 @@ use rule plot_mean_estimation_vs_epsilon as plot_mean_estimation_vs_budget with:
 use rule plot_mean_estimation_vs_epsilon as plot_mean_estimation_vs_group_size with:
     output:
         png=figure_report("results/figures/mean_estimation_vs_group_size.png", "mean_estimation_vs_group_size",
-                          MEAN_ESTIMATION, figure="error vs contribution bound G", format="PNG"),
+                          REPORT_MEAN_ESTIMATION, figure="error vs contribution bound G", format="PNG"),
         pdf=figure_report("results/figures/mean_estimation_vs_group_size.pdf", "mean_estimation_vs_group_size",
-                          MEAN_ESTIMATION, figure="error vs contribution bound G", format="PDF"),
+                          REPORT_MEAN_ESTIMATION, figure="error vs contribution bound G", format="PDF"),
     log:
         "results/logs/figures/mean_estimation_vs_group_size.log",
     benchmark:

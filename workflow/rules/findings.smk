@@ -30,7 +30,7 @@ rule findings:
         csv=report(
             "results/findings/{study}.csv",
             caption="../report/findings_table.rst",
-            category="Findings",
+            category=REPORT_FINDINGS,
             labels={"table": "findings: claims, effects, verdicts"},
         ),
     params:

@@ -52,12 +52,8 @@ rule finetune:
         # (eval.json, eval_users.parquet)
         run_files("results/runs/{dataset}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"),
     params:
-        # every rate (the same in both sweep_jobs modes, so switching reruns nothing); the job trains those of
-        # its outputs' run folders, in order (a run that already finished, in an earlier job that was killed
-        # or in a rerun of an unchanged run, is restored from its finished/ record)
-        learning_rates=[float(lr) for lr in LEARNING_RATES],
-        model=base_model,
-        settings=finetune_settings,
+        # learning_rates, model, settings (common.smk: FINETUNE_PARAMS)
+        **FINETUNE_PARAMS,
         # what changes the metrics: which held-out users (max_users, seed) and splits (validation users only
         # where the cell chooses among several rates: evaluation.validation); changing it reruns the job, which
         # restores its finished runs and evaluates them again
@@ -123,11 +119,6 @@ use rule finetune as finetune_option with:
         **PRETRAINED_INPUTS,
     output:
         run_files("results/runs/{dataset}/option~{option}/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"),
-    params:
-        learning_rates=[float(lr) for lr in LEARNING_RATES],
-        model=base_model,
-        settings=finetune_settings,
-        evaluation=evaluation_params(config),
     wildcard_constraints:
         option=OPTIONS_RE,
     log:

@@ -38,7 +38,7 @@ def main() -> None:
             config=config, plan=str(sm.input.plan), tokens=str(sm.input.tokens), tokenizer=str(sm.input.tokenizer),
             model=str(p.model), run_dir=run_dir, learning_rate=float(lr), dataset=w.dataset,
             method=w.method, eps=w.eps, budget=w.budget, seed=int(w.seed), threads=int(sm.threads),
-            log=str(sm.log[0]), option=w.get("option"),
+            log=str(sm.log[0]), option=w.get("option"), audit=bool(getattr(p, "audit", False)),
         )
         for lr, run_dir in runs
     ]

@@ -100,7 +100,6 @@ PLAN = "results/plan/{dataset}/" + _SETTING + ".json"
 GROUP_PLAN = "results/plan/{dataset}/" + _SETTING + "/" + _GROUP + ".json"
 # A private cell run with one of grid.options: its own plan and folder below option~{option}/.
 OPTION_PLAN = "results/plan/{dataset}/" + _OPTION + "/" + _SETTING + ".json"
-ACCOUNTING_COMPARISON = "results/accounting/comparison.parquet"
 #: The accountant memo shared by the pipeline's jobs (userdp.privacy.memo; safe to delete).
 ACCOUNTING_MEMO = "results/cache/accounting"
 
@@ -146,23 +145,14 @@ PRETRAINED_METRICS = RUNS + "/pretrained/" + METRICS
 # Per-user test scores: eval_users.parquet next to eval.json in a run folder.
 EVAL_USERS = "eval_users.parquet"
 
-# Summary of a dataset's grid; who pays for privacy: every evaluated test user's loss per run, and the cost of
-# privacy per user group.
+# Summary of a dataset's grid, and the cost of privacy per user group (who pays for privacy).
 SUMMARY_DIR = "results/summary/{dataset}"
 SUMMARY = SUMMARY_DIR + "/metrics.parquet"
-TRAIN_CURVES = SUMMARY_DIR + "/train_curves.parquet"
-SUMMARY_USERS = SUMMARY_DIR + "/users.parquet"
 GROUPS = SUMMARY_DIR + "/groups.parquet"
-# The cells of grid.options (one row per option cell, the summary's columns plus `option`).
-OPTIONS_SUMMARY = SUMMARY_DIR + "/options.parquet"
-
-# The synthetic mean-estimation study.
-MEAN_ESTIMATION_RESULTS = "results/mean_estimation/results.parquet"
 
 # The user-level membership audit (target `audit`) and the white-box audit of the mechanism.
 AUDIT = "results/audit/{dataset}"
 AUDIT_TOKENS = AUDIT + "/tokens.parquet"
-AUDIT_SUMMARY = AUDIT + "/summary.parquet"
 AUDIT_MECHANISM = AUDIT + "/mechanism.csv"
 
 # Logs, one per job, and per-job resource use (snakemake's `benchmark:` files: wall s, cpu_time, max_rss, ...),

@@ -7,23 +7,30 @@ scheme has three parts, each with one job:
 1. **Integer seeds**: `derive_seed(root, labels...)`, SHA-256 of the
    "|"-joined labels -> 63 bits. Every seeded generator of the package
    starts from one (`np.random.default_rng(derive_seed(...))`, torch's
-   `manual_seed`): training runs (sampler, noise, torch), contribution
-   bounding, pretraining, evaluation users, the group bootstrap, the DP
-   contribution statistics, the mechanism audit, the canaries, the
-   mean-estimation study. Two purposes differ in their labels, never in
-   the hash.
+   `manual_seed`): training runs (sampler, noise, torch: run_seeds;
+   random stopping's number of runs), contribution bounding, LoRA's
+   initialisation, pretraining (model, batches), the synthetic corpus
+   (topics, users, blocks of users, public text), evaluation users, the
+   group bootstrap, the findings' audit bootstrap, the DP contribution
+   statistics, the mechanism audit, the canaries and the audit's users,
+   the mean-estimation study (populations, sampling, noise). Two purposes
+   differ in their labels, never in the hash.
 2. **Per-user keys**: `user_hashes(user ids, seed, person)`, blake2b keyed
    by a seed, with a personalisation naming the use (`SPLIT_PERSON`: the
    train/validation/test split; the default: contribution bounding;
-   `SAMPLE_PERSON`: Poisson sampling; the audit's own). A user's key
-   depends on its id, the seed and the use alone, so removing a user
-   changes no other user's key. `unit_interval` maps keys to [0, 1).
+   `SAMPLE_PERSON`: Poisson sampling; `AUDIT_USERS_PERSON`: the audit's
+   subset of train users). A user's key depends on its id, the seed and
+   the use alone, so removing a user changes no other user's key.
+   `unit_interval` maps keys to [0, 1).
 3. **Draws per key and counter**: splitmix64 mixing (`row_keys`: a user's
    rows by rank; `step_draws`: a unit at a training step), so each
    (unit, step) pair gets its own uniform draw.
 
-`SCHEME` numbers this scheme; rules whose outputs it decides show it as a
-param (`seeding`), so a change of the scheme reruns them. Scheme 2 (this
+`SCHEME` numbers this scheme. The rules that draw first from it (data
+preparation, the mean-estimation study) show it as a param (`seeding`), so
+a new scheme reruns them and, through their outputs, every job after them;
+a new scheme that changed only a later derivation (evaluation users, a
+bootstrap) must add the param to the rules that use it. Scheme 2 (this
 one) replaced three further families of scheme 1: crc32-keyed SeedSequences
 (evaluation users, the group bootstrap, the mean-estimation study, the
 canaries: a 32-bit hash of each label, so two labels could collide into one
@@ -81,6 +88,7 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 _BOUND_PERSON = b"userdp.bound"  # blake2b personalisation: domain separation from other uses of the seed
 SAMPLE_PERSON = b"userdp.sample"  # the same hash for the identities of Poisson-sampled units (training.sampling)
 SPLIT_PERSON = b"userdp.split"  # the user split (data.prepare); keyed by the config seed, not the dataset
+AUDIT_USERS_PERSON = b"userdp.audit"  # the audit's subset of train users (data.canaries)
 
 
 def user_hashes(user_ids: Sequence[str], seed: int, person: bytes = _BOUND_PERSON) -> np.ndarray:

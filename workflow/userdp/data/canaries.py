@@ -52,14 +52,12 @@ import pyarrow.compute as pc
 from .chat import LOSS_MASK
 from ..errors import ConfigError, DataError
 from ..io import ParquetBatchWriter, read_table, streaming_parquet
-from ..seeding import derive_seed, user_hashes
+from ..seeding import AUDIT_USERS_PERSON, derive_seed, user_hashes
 
 CANARY_PREFIX = "canary-"
 #: Probability that a canary is included (the one-run audit's coin).
 INCLUSION_PROBABILITY = 0.5
 CANARY_COLUMNS = ("user_id", "included", "n_examples", "input_ids", "prefix", "secret", "design", "candidates")
-#: blake2b personalisation of the hash that picks the audit's subset of train users.
-AUDIT_USERS_PERSON = b"userdp.audit"
 #: audit.canary_design values.
 DESIGNS = ("random", "new_token", "rare_bigram")
 #: Draws per secret token before `rare_bigram` gives up on finding an unseen bigram.

@@ -44,6 +44,7 @@ import pandas as pd
 from scipy import stats
 
 from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES
+from ..seeding import derive_seed
 from .audit_stats import auc
 
 REPRODUCED = "reproduced"
@@ -603,7 +604,7 @@ def audit_findings(results: Sequence[Mapping], scores: Mapping[tuple[str, str, s
     if not pairs:
         return [Finding(9, AUDIT, AUDIT_CLAIMS[9], None, None, None, ">", 0.0, NOT_MEASURED, "", "",
                         "audit_epsilon", "no dataset has audited ELS and ULS cells at the same target epsilon")]
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(derive_seed(seed, "findings", "audit-bootstrap"))
     point, boot, parts = 0.0, np.zeros(AUDIT_BOOTSTRAP), []
     for d, e in pairs:
         s_els, s_uls, inc = _paired_auc_difference(scores[(d, "els", _fmt(e))], scores[(d, "uls", _fmt(e))], key)

@@ -6,8 +6,8 @@ from here come
 - the dispatch of the one plot script (workflow/scripts/plot_figure.py
   looks the figure up by its rule's name and calls `Figure.draw`),
 - the figure targets of rule `all` and of the audit targets
-  (`figure_targets`; tests/test_layout.py checks that each is an output
-  a rule spells).
+  (`figure_targets`; tests/test_eval_figures.py checks that each is an
+  output its rule spells).
 
 Paths, by convention from the figure's name:
     results/figures/<name>_<dataset>.png|pdf  (per-dataset families)

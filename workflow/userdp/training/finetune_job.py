@@ -60,6 +60,7 @@ class FinetuneJob:
     log: str | None = None   # the rule's log file
     trial: int | None = None  # the run's index in a random-stopping cell (part of its seeds), else None
     option: str | None = None  # the grid.options entry of the run's cell (part of its seeds), else None
+    audit: bool = False      # a run of the membership audit (rule audit_finetune): its own seeds
 
 
 def clear_stale_outputs(run_dir: Path) -> None:
@@ -110,6 +111,7 @@ class RunInputs:
     log: str | None = None
     trial: int | None = None
     option: str | None = None  # the grid.options entry of the run's cell (part of its seeds)
+    audit: bool = False  # a run of the membership audit (part of its seeds)
     lora: Any = None  # a peft LoraConfig given to userdp.fine_tune (used instead of model.lora), or None
 
 
@@ -122,7 +124,7 @@ def train_run(run: RunInputs, dist: distributed.DistContext | None = None) -> en
     settings = TrainSettings.from_config(config, float(run.learning_rate))
     seeds = run_seeds.run_seeds(config["seed"], int(run.seed), run.dataset, run.method, run.eps, run.budget,
                              run.spec.group_size, float(run.learning_rate), secret=run.secret, trial=run.trial,
-                                option=run.option)
+                                option=run.option, audit=run.audit)
     pad_id = models.special_ids(run.tokenizer)["pad_token_id"]
     return engine.train(model, run.pool, run.spec, settings, run_state.RunPaths(run.run_dir, run.log), seeds, pad_id,
                         dist=dist)
@@ -141,7 +143,7 @@ def run_job(job: FinetuneJob, dist: distributed.DistContext | None = None) -> en
         config=config, spec=spec, pool=train_pool, tokenizer=tokenizer, model=job.model, run_dir=job.run_dir,
         learning_rate=job.learning_rate, dataset=job.dataset, method=job.method, eps=job.eps, budget=job.budget,
         seed=job.seed, secret=seed_secrecy.secret_seeds(config, job.dataset), log=job.log, trial=job.trial,
-        option=job.option,
+        option=job.option, audit=job.audit,
     ), dist)
     if not outcome.complete:
         raise RuntimeError(f"run stopped at step {outcome.steps_completed}/{spec.steps}")

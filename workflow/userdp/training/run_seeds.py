@@ -17,7 +17,7 @@ from . import distributed
 
 def run_seeds(config_seed: int, run_seed: int, dataset: str, method: str, eps: str, budget: int | str,
               group_size: int, learning_rate: float | None = None, secret: bool = False,
-              trial: int | None = None, option: str | None = None) -> dict[str, Any]:
+              trial: int | None = None, option: str | None = None, audit: bool = False) -> dict[str, Any]:
     """Seeds of a run, derived from the config seed, the cell and its learning rate.
 
     The learning rate IS part of the seeds: runs of a learning-rate sweep that
@@ -40,6 +40,9 @@ def run_seeds(config_seed: int, run_seed: int, dataset: str, method: str, eps: s
     option: the name of the grid.options entry the run belongs to (None for the grid's own cells, whose
     seeds stay as they were): an option's run is another released model of the same cell, so it draws its
     own samples and noise too.
+
+    audit: a run of the membership audit (rule audit_finetune), trained on the audit's tokens at a grid cell's
+    settings: it draws its own samples and noise, never those of the grid's released model of that cell.
     """
     cell = (int(config_seed), dataset, method, eps, int(budget), int(group_size), int(run_seed))
     if learning_rate is not None:
@@ -48,6 +51,8 @@ def run_seeds(config_seed: int, run_seed: int, dataset: str, method: str, eps: s
         cell = cell + ("trial", int(trial))
     if option:
         cell = cell + ("option", str(option))
+    if audit:
+        cell = cell + ("audit",)
     return {
         "config": int(config_seed),
         "run": int(run_seed),
