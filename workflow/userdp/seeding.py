@@ -31,11 +31,12 @@ preparation, the mean-estimation study) show it as a param (`seeding`), so
 a new scheme reruns them and, through their outputs, every job after them;
 a new scheme that changed only a later derivation (evaluation users, a
 bootstrap) must add the param to the rules that use it. Scheme 2 (this
-one) replaced three further families of scheme 1: crc32-keyed SeedSequences
+one) replaced the other derivations of scheme 1: crc32-keyed SeedSequences
 (evaluation users, the group bootstrap, the mean-estimation study, the
 canaries: a 32-bit hash of each label, so two labels could collide into one
-stream) and an unkeyed FNV-1a hash for the user split (now a keyed hash like
-every other per-user key). Python's `hash` is salted per process, so none of
+stream), the synthetic corpus's SeedSequence([seed, constant]) streams, a
+fixed seed of the findings' audit bootstrap, and an unkeyed FNV-1a hash for
+the user split (now a keyed hash like every other per-user key). Python's `hash` is salted per process, so none of
 them uses it. This module imports nothing from the pipeline stages.
 """
 
