@@ -32,7 +32,7 @@ from dp_accounting.pld import pld_privacy_accountant
 
 from userdp.privacy import accounting, mechanism
 from userdp.privacy.accounting import FINE_DISCRETIZATION, UserLevelAccountant
-from userdp.privacy.calibration import calibrate, initial_guess
+from userdp.privacy.calibration import calibrate, initial_guess, search_levels
 
 
 def naive_sigma(eps: float, delta: float, q: float, T: int, G: int, rtol: float) -> float:
@@ -59,39 +59,40 @@ def naive_sigma(eps: float, delta: float, q: float, T: int, G: int, rtol: float)
 
 
 def library_levels_sigma(mech: mechanism.Mechanism, eps: float, delta: float, rtol: float) -> float:
-    """`calibrate`'s levels (same discretizations and widths) with `calibrate_dp_mechanism` searching each."""
-    d_a = max(FINE_DISCRETIZATION, min(1e-2, 5e-3 * eps))
-    d_b = max(FINE_DISCRETIZATION, min(1e-3, d_a / 3))
+    """`calibrate`'s levels (`search_levels`: same discretizations and widths) with `calibrate_dp_mechanism`
+    searching each in log sigma, from a bracket just below the previous level's answer (found from the first
+    guess by factors of 2 at the first level)."""
 
     def feasible(u: float, d: float) -> bool:
         return mech.epsilon(math.exp(u), delta, discretization=d) <= eps
 
-    def search(d: float, lo: float, hi: float, width: float) -> float:
-        return float(dp_accounting.calibrate_dp_mechanism(
-            lambda: UserLevelAccountant(discretization=d), lambda u: mech.dp_event(math.exp(u)), eps, delta,
-            bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=math.log1p(width)))
-
     def below(u: float, d: float, step: float) -> float:
-        """An infeasible point below the feasible u, stepping down by `step`."""
+        """An infeasible point below u, stepping down by `step`."""
         lo = u - step
         while feasible(lo, d):
             lo -= step
         return lo
 
-    u, step = math.log(initial_guess(mech, eps, delta)), math.log(2.0)
-    if feasible(u, d_a):
-        lo = below(u, d_a, step)
-        hi = lo + step
-    else:
-        hi = u + step
-        while not feasible(hi, d_a):
-            hi += step
-        lo = hi - step
-    u = search(d_a, lo, hi, 3e-3)
-    u = search(d_b, below(u, d_b, math.log1p(3e-3)), u, 3e-4)
-    tau = math.log1p(rtol)
-    if feasible(u - tau, FINE_DISCRETIZATION):  # not certified at the fine level: search there too
-        u = search(FINE_DISCRETIZATION, below(u, FINE_DISCRETIZATION, tau), u, rtol)
+    u, step = math.log(initial_guess(mech, eps, delta)), math.log(2.0)  # step: the coarser level's width (or own)
+    levels = search_levels(eps, FINE_DISCRETIZATION, rtol)
+    for i, (d, width, _) in enumerate(levels):
+        tau = math.log1p(width)
+        if i == 0 and feasible(u, d):
+            lo = below(u, d, step)
+            hi = lo + step
+        elif i == 0:
+            hi = u + step
+            while not feasible(hi, d):
+                hi += step
+            lo = hi - step
+        elif i < len(levels) - 1 or feasible(u - tau, d):  # the last level only if the answer is not certified
+            lo, hi = below(u, d, max(step, tau)), u
+        else:
+            continue
+        step = tau
+        u = float(dp_accounting.calibrate_dp_mechanism(
+            lambda: UserLevelAccountant(discretization=d), lambda v: mech.dp_event(math.exp(v)), eps, delta,
+            bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=tau))
     return math.exp(u)
 
 

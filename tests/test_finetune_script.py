@@ -1,6 +1,6 @@
 """workflow/scripts/finetune.py, run as Snakemake runs it (a `snakemake` object in its globals), with the training
 and the evaluation replaced by recorders: rule finetune evaluates every run it trains on the held-out users of
-its `evaluation` param; rule audit_finetune (`evaluation` None) trains only (its runs are scored on their
+its `evaluation` param; rule audit_finetune (`audit` param, no `evaluation`) trains only (its runs are scored on their
 canaries by rule audit_score, so no eval.json is written beside them), with the audit's own seeds."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class _Wildcards(SimpleNamespace):
         return getattr(self, name, default)
 
 
-def _run_script(tmp_path, monkeypatch, evaluation, **extra_params):
+def _run_script(tmp_path, monkeypatch, **params):
     config = validate_config(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
     rates = [float(lr) for lr in config["training"]["learning_rates"]]
     runs = [str(tmp_path / f"lr~{lr:g}") for lr in rates]
@@ -36,7 +36,7 @@ def _run_script(tmp_path, monkeypatch, evaluation, **extra_params):
     sm = SimpleNamespace(
         log=[str(tmp_path / "job.log")],
         params=SimpleNamespace(settings=finetune_params(config, "synth"), learning_rates=rates, model="base",
-                               evaluation=evaluation(config), **extra_params),
+                               **{k: v(config) if callable(v) else v for k, v in params.items()}),
         config=config,
         wildcards=_Wildcards(dataset="synth", method="uls", eps="1", budget="2000", seed="0"),
         output=[f"{run}/ledger.json" for run in runs],
@@ -49,7 +49,7 @@ def _run_script(tmp_path, monkeypatch, evaluation, **extra_params):
 
 
 def test_rule_finetune_trains_then_evaluates_every_run(tmp_path, monkeypatch):
-    runs, trained, evaluated = _run_script(tmp_path, monkeypatch, evaluation_params)
+    runs, trained, evaluated = _run_script(tmp_path, monkeypatch, evaluation=evaluation_params)
     assert [j.run_dir for j in trained] == runs and not any(j.audit for j in trained)
     ((rate_runs, tokens, kw),) = evaluated
     assert [run for _, run in rate_runs] == runs and tokens == "tokens.parquet"
@@ -57,16 +57,16 @@ def test_rule_finetune_trains_then_evaluates_every_run(tmp_path, monkeypatch):
 
 
 def test_rule_audit_finetune_trains_only(tmp_path, monkeypatch):
-    runs, trained, evaluated = _run_script(tmp_path, monkeypatch, lambda config: None, audit=True)
+    runs, trained, evaluated = _run_script(tmp_path, monkeypatch, audit=True)
     assert [j.run_dir for j in trained] == runs and evaluated == []
     assert all(j.audit for j in trained)  # its own seeds (training.run_seeds)
 
 
 def test_the_audit_rule_passes_no_evaluation():
     """audit.smk's audit_finetune replaces finetune's params with its shared ones (common.smk: FINETUNE_PARAMS)
-    and `evaluation=None` (the script's switch) and `audit=True` (the runs' own seeds), nothing else."""
+    and `audit=True` (the script's switch: the runs' own seeds, no evaluation), nothing else."""
     text = (REPO / "workflow" / "rules" / "audit.smk").read_text()
     block = text[text.index("use rule finetune as audit_finetune"):text.index("rule audit_score:")]
     params = block[block.index("    params:\n"):block.index("    wildcard_constraints:")]
     lines = [ln.strip() for ln in params.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    assert lines == ["params:", "**FINETUNE_PARAMS,", "evaluation=None,", "audit=True,"]
+    assert lines == ["params:", "**FINETUNE_PARAMS,", "audit=True,"]

@@ -59,3 +59,16 @@ def test_initial_guess_is_in_the_right_range():
     r = calibrate_method("els", 2.0, 1e-6, 0.01, 200, 4)
     g = initial_guess(mech("els", 0.01, 200, 4), 2.0, 1e-6)
     assert 0.5 < g / r.noise_multiplier < 2.0
+
+
+def test_search_levels_coarse_to_fine():
+    """The levels calibrate searches (and bench_calibration's library variant reuses): coarse discretizations
+    scaled to the target, never finer than the fine one, each strictly finer than the last; the last at the
+    calibration tolerance."""
+    from userdp.privacy.calibration import search_levels
+
+    assert search_levels(1.0) == [(5e-3, 3e-3, "A"), (1e-3, 3e-4, "B"), (1e-4, 1e-3, "C")]
+    assert search_levels(4.0)[0] == (1e-2, 3e-3, "A")
+    assert search_levels(4.0, tolerance=1e-2) == [(1e-2, 1e-2, "A"), (1e-3, 3e-4, "B"), (1e-4, 1e-2, "C")]
+    assert search_levels(0.01) == [(1e-4, 1e-3, "C")]  # a tiny target: its coarse levels would be the fine one
+    assert search_levels(1.0, discretization=1e-3) == [(5e-3, 3e-3, "A"), (1e-3, 1e-3, "C")]

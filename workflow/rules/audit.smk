@@ -74,9 +74,8 @@ use rule finetune as audit_finetune with:
         run_outputs("results/audit/{dataset}/runs/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}"),
     params:
         **FINETUNE_PARAMS,
-        # no held-out evaluation: rule audit_score scores the run on its canaries
-        evaluation=None,
-        # the audit's runs draw their own samples and noise (userdp.training.run_seeds), not the grid's
+        # an audit run: its own samples and noise (userdp.training.run_seeds), not the grid's, and no held-out
+        # evaluation (rule audit_score scores it on its canaries)
         audit=True,
     wildcard_constraints:
         budget=str(AUDIT_BUDGET),

@@ -68,6 +68,7 @@ from userdp.data.sources import has_public_part
 from userdp.privacy.selection import one_job
 from userdp.privacy.targets import counts_from_tokens, stats_private
 from userdp.training.targets import learning_rate_texts, per_cell_jobs, uses_lora
+from userdp.plotting.registry import per_user_points
 
 
 DATASETS = list(config["datasets"])
@@ -332,8 +333,6 @@ def all_targets():
 
 
 # ---------------------------------------------------------------- figures (figures.smk)
-
-from userdp.plotting.registry import per_user_points
 
 # The report's categories (of the figures and tables).
 REPORT_DATA = "Data"

@@ -9,8 +9,8 @@ spread over that many data-parallel processes (torchrun); see
 userdp.training.distributed. Then each run's model is evaluated on the
 held-out users (userdp.evaluation.metrics.evaluate_runs: eval.json and
 eval_users.parquet in the run folder), in this process: one start-up serves
-training and evaluation. Rule audit_finetune (`evaluation` param None) trains
-only.
+training and evaluation. Rule audit_finetune (`audit` param) trains only, with
+the audit's own seeds.
 """
 
 import torch
@@ -32,18 +32,19 @@ def main() -> None:
     p = sm.params
     config = finetune_config(p.settings, untracked(sm.config, *FINETUNE_UNTRACKED_KEYS), p.learning_rates)
     w = sm.wildcards
+    audit = bool(getattr(p, "audit", False))
     runs = sweep_runs(list(sm.output), LEDGER, list(p.learning_rates))
     jobs = [
         finetune_job.FinetuneJob(
             config=config, plan=str(sm.input.plan), tokens=str(sm.input.tokens), tokenizer=str(sm.input.tokenizer),
             model=str(p.model), run_dir=run_dir, learning_rate=float(lr), dataset=w.dataset,
             method=w.method, eps=w.eps, budget=w.budget, seed=int(w.seed), threads=int(sm.threads),
-            log=str(sm.log[0]), option=w.get("option"), audit=bool(getattr(p, "audit", False)),
+            log=str(sm.log[0]), option=w.get("option"), audit=audit,
         )
         for lr, run_dir in runs
     ]
     finetune_job.launch_sweep(jobs, processes=int(getattr(sm.resources, "gpu", 0) or 0))
-    if p.evaluation is None:  # the audit's runs (rule audit_finetune): scored on their canaries instead
+    if audit:  # rule audit_finetune: its runs are scored on their canaries instead
         return
     # the evaluation: which users and splits are the rule's `evaluation` param; batch size and device change
     # no metric beyond float rounding (from the config, no params)

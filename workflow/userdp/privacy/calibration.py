@@ -283,6 +283,21 @@ def _infeasible_on_failure(f: Callable[[float], float]) -> Callable[[float], flo
     return g
 
 
+def search_levels(epsilon: float, discretization: float = FINE_DISCRETIZATION,
+                  tolerance: float = DEFAULT_TOLERANCE) -> list[tuple[float, float, str]]:
+    """The levels of `calibrate`'s search, coarse to fine: (discretization, relative bracket width, name).
+
+    The coarse discretizations scale with the target, so that their error stays a small fraction of it, and
+    are never finer than `discretization`; the last level is `discretization` itself at `tolerance`. Level A
+    stops at 3e-3 (or `tolerance` if wider), B at 3e-4 (or `tolerance` if narrower).
+    """
+    d_a = max(discretization, min(1e-2, 5e-3 * epsilon))
+    d_b = max(discretization, min(1e-3, d_a / 3))
+    levels = [(d_a, max(3e-3, tolerance), "A"), (d_b, min(3e-4, tolerance), "B"), (discretization, tolerance, "C")]
+    levels = [lv for i, lv in enumerate(levels) if lv[0] > discretization or i == len(levels) - 1]
+    return [lv for i, lv in enumerate(levels) if i == 0 or lv[0] < levels[i - 1][0]]
+
+
 def calibrate(
     mechanism: Mechanism,
     epsilon: float,
@@ -334,13 +349,7 @@ def calibrate(
             f">= the target {epsilon:g} at delta = {delta:.3g}: no noise level leaves room for training."
         )
 
-    # Discretizations of the levels: coarse ones scale with the target, so
-    # that their error stays a small fraction of it; never finer than `discretization`.
-    d_a = max(discretization, min(1e-2, 5e-3 * epsilon))
-    d_b = max(discretization, min(1e-3, d_a / 3))
-    levels = [(d_a, 3e-3, "A"), (d_b, 3e-4, "B"), (discretization, tolerance, "C")]
-    levels = [lv for i, lv in enumerate(levels) if lv[0] > discretization or i == len(levels) - 1]
-    levels = [lv for i, lv in enumerate(levels) if i == 0 or lv[0] < levels[i - 1][0]]
+    levels = search_levels(epsilon, discretization, tolerance)
 
     # With fixed releases the training part gets roughly what they leave
     # (composition at a fixed delta is sub-additive, so this guess is high);
@@ -356,7 +365,7 @@ def calibrate(
         else:
             # The coarser level's feasible end is feasible here too (up to rounding).
             lvl.probe(prev.hi[0])
-        lvl.solve(min(rtol, tolerance) if name != "A" else max(rtol, tolerance), max_noise_multiplier)
+        lvl.solve(rtol, max_noise_multiplier)
         counts[f"d={d:g}"] = lvl.calls
         if lvl.hi is None:
             # Infeasible up to the maximum at this level; confirm at the fine level.
