@@ -17,10 +17,6 @@ import torch
 from ..errors import ConfigError
 
 
-def _adam(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=lr)
-
-
 #: DP-AdamBC's floor gamma' on the corrected second moment (a variance, so sqrt(1e-8) = 1e-4 bounds the
 #: denominator), the value of the paper's experiments.
 ADAM_BC_FLOOR = 1e-8
@@ -120,14 +116,6 @@ def _same_noise(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12)
 
 
-def _adam_bc(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return AdamBC(params, lr=lr)  # its noise is the run's: run_state.RunState binds it (AdamBC.bind_noise)
-
-
-def _sgd(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr)
-
-
 def _adafactor(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     from transformers.optimization import Adafactor
 
@@ -138,31 +126,19 @@ def _adafactor(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optim
 #: training.optimizer: name -> factory(parameters, learning rate). The config
 #: schema's enum lists the same names (tests/test_registries.py checks).
 OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], float], torch.optim.Optimizer]] = {
-    "adam": _adam,
-    "adam_bc": _adam_bc,
-    "sgd": _sgd,
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
+    # its noise is the run's: run_state.RunState binds it (AdamBC.bind_noise)
+    "adam_bc": lambda params, lr: AdamBC(params, lr=lr),
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
     "adafactor": _adafactor,
 }
-
-
-def _constant(progress: float) -> float:
-    return 1.0
-
-
-def _linear(progress: float) -> float:
-    return 1.0 - progress
-
-
-def _cosine(progress: float) -> float:
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
 
 #: training.schedule: name -> multiplier of the base learning rate at a
 #: progress in [0, 1] after warmup. The schema's enum lists the same names.
 SCHEDULES: dict[str, Callable[[float], float]] = {
-    "constant": _constant,
-    "linear": _linear,
-    "cosine": _cosine,
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
 }
 
 
