@@ -126,13 +126,9 @@ def _rms_normalized(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
         eps = torch.finfo(x.dtype).eps
     # LlamaRMSNorm: x in float32, x * rsqrt(mean(x^2) + eps), cast back to the input dtype;
     # torch's nn.RMSNorm computes in the input dtype.
-    xs = x.to(norm_dtype_of(x)) if isinstance(module, nn.RMSNorm) else x.to(torch.float32)
+    xs = x.to(gn.norm_dtype(x.dtype)) if isinstance(module, nn.RMSNorm) else x.to(torch.float32)
     out = xs * torch.rsqrt(xs.square().mean(-1, keepdim=True) + eps)
     return out.to(x.dtype).to(dtype)
-
-
-def norm_dtype_of(x: Tensor) -> torch.dtype:
-    return gn.norm_dtype(x.dtype)
 
 
 @torch.no_grad()

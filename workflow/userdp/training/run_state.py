@@ -297,9 +297,9 @@ class RunState:
 
     def record(self, sel: StepSelection, sums: StepSums, lr: float, seconds: float,
                update_norms: tuple[float, float] = (math.nan, math.nan)) -> dict[str, Any]:
-        """Count the finished step and append its log row (step_log.log_columns; plain Python values, as the checkpoint
-        is loaded with weights_only). Every column is kept in memory and in the checkpoint; which of them are
-        written out is step_log.released_columns."""
+        """Count the finished step and append its log row (step_log.released_columns with debug; plain Python values,
+        as the checkpoint is loaded with weights_only). Every column is kept in memory and in the checkpoint; which
+        of them are written out is step_log.released_columns."""
         self.step += 1
         self.examples_processed += int(sel.n_examples)
         self.users_processed += int(sel.n_users)
@@ -325,4 +325,4 @@ class RunState:
         return row
 
     def frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows, columns=step_log.log_columns(self.adaptive is not None))
+        return pd.DataFrame(self.rows, columns=step_log.released_columns(True, self.adaptive is not None))

@@ -40,14 +40,10 @@ LOG_COLUMNS = GUARANTEED_COLUMNS + DEBUG_COLUMNS
 KEY = "training.debug_step_log"
 
 
-def log_columns(adaptive: bool = False, debug: bool = True) -> list[str]:
-    """A run's log columns: the guaranteed ones (adaptive clipping's after them), then the debug ones."""
-    return GUARANTEED_COLUMNS + (ADAPTIVE_COLUMNS if adaptive else []) + (DEBUG_COLUMNS if debug else [])
-
-
 def released_columns(debug: bool, adaptive: bool = False) -> list[str]:
-    """The columns a train log may hold: all of them with `training.debug_step_log`, else the guaranteed ones."""
-    return log_columns(adaptive, debug)
+    """The columns a train log may hold: the guaranteed ones (adaptive clipping's after them), then, with
+    `training.debug_step_log` (`debug`), the debug ones; with debug, every column a run's log row has."""
+    return GUARANTEED_COLUMNS + (ADAPTIVE_COLUMNS if adaptive else []) + (DEBUG_COLUMNS if debug else [])
 
 
 def signal_norm(update_sq_norm: float, n_coordinates: int, noise_std: float, divisor: float) -> float:
