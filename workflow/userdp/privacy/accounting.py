@@ -675,9 +675,11 @@ def _steps_pld(steps: dict, discretization: float):
 
 
 def _steps_epsilon(steps: dict, extra: tuple, delta: float, discretization: float) -> float:
+    """epsilon(delta) of the noisy steps composed with the fixed events when there are any."""
     if extra:
         _fixed_pld(extra, float(discretization))  # cached; refuses an oversized release before the steps are built
-    return _epsilon_of(_steps_pld(steps, discretization), extra, delta, float(discretization))
+    pld = _with_fixed(_steps_pld(steps, discretization), extra, float(discretization))
+    return float(epsilon_for_delta(pld, delta))
 
 
 class UserLevelAccountant(dp_accounting.PrivacyAccountant):
@@ -728,17 +730,6 @@ class UserLevelAccountant(dp_accounting.PrivacyAccountant):
 # ---------------------------------------------------------------- fixed extra events
 
 
-def _check_fixed_events(extra_events: tuple) -> None:
-    for e in extra_events:
-        if not isinstance(e, dp_accounting.LaplaceDpEvent):
-            raise PrivacyError(
-                f"extra DP event {e!r} is not supported; the accountants compose LaplaceDpEvent releases "
-                "(the DP contribution statistics) with the training steps."
-            )
-        if not (e.noise_multiplier > 0 and math.isfinite(e.noise_multiplier)):
-            raise PrivacyError(f"extra DP event {e!r}: the Laplace noise multiplier must be a finite number > 0.")
-
-
 @lru_cache(maxsize=64)
 def _fixed_pld(extra_events: tuple, discretization: float) -> pld_lib.PrivacyLossDistribution:
     """PLD of fixed (not calibrated) events composed once, e.g. the DP contribution statistics.
@@ -747,7 +738,14 @@ def _fixed_pld(extra_events: tuple, discretization: float) -> pld_lib.PrivacyLos
     `LaplaceDpEvent` (`from_laplace_mechanism(parameter=noise_multiplier)`,
     pessimistic, connect-the-dots, add/remove adjacency).
     """
-    _check_fixed_events(extra_events)
+    for e in extra_events:
+        if not isinstance(e, dp_accounting.LaplaceDpEvent):
+            raise PrivacyError(
+                f"extra DP event {e!r} is not supported; the accountants compose LaplaceDpEvent releases "
+                "(the DP contribution statistics) with the training steps."
+            )
+        if not (e.noise_multiplier > 0 and math.isfinite(e.noise_multiplier)):
+            raise PrivacyError(f"extra DP event {e!r}: the Laplace noise multiplier must be a finite number > 0.")
     # A Laplace PLD spans privacy losses [-1/b, 1/b] (b = noise multiplier): 2 / (b d) points each.
     points = sum(_grid_points(plm.LaplacePrivacyLoss(float(e.noise_multiplier)), discretization) for e in extra_events)
     check_pld_size(points, f"the fixed Laplace release(s) {[float(e.noise_multiplier) for e in extra_events]} "
@@ -777,11 +775,6 @@ def _with_fixed(pld, extra_events: tuple, discretization: float):
     check_pld_size(pld_points(pld) + pld_points(fixed), "the training steps composed with the fixed releases",
                    discretization)
     return pld.compose(fixed)
-
-
-def _epsilon_of(pld, extra_events: tuple, delta: float, discretization: float) -> float:
-    """epsilon(delta) of the training PLD, composed with the fixed events when there are any."""
-    return float(epsilon_for_delta(_with_fixed(pld, extra_events, discretization), delta))
 
 
 def log_group_delta_factor(group_size: int, eps_ex: float) -> float:

@@ -259,12 +259,8 @@ def check_not_vacuous(mechanism: Mechanism, delta: float, cell: str | None = Non
 
 
 def _epsilon_fn(mechanism: Mechanism, delta: float, d: float, extra: tuple = ()) -> Callable[[float], float]:
-    return _infeasible_on_failure(
-        lambda s: mechanism.epsilon(s, delta, extra_events=extra, discretization=d))
-
-
-def _infeasible_on_failure(f: Callable[[float], float]) -> Callable[[float], float]:
-    """`f`, with a failure of dp-accounting at an extreme probe read as "not private enough".
+    """sigma -> the mechanism's epsilon at delta and discretization d, a failure of dp-accounting at an extreme
+    probe read as "not private enough".
 
     dp-accounting's PLD construction can break down where the privacy loss
     is astronomically large (a truncation bound comes back None; the one
@@ -276,7 +272,7 @@ def _infeasible_on_failure(f: Callable[[float], float]) -> Callable[[float], flo
     """
     def g(s: float) -> float:
         try:
-            return f(s)
+            return mechanism.epsilon(s, delta, extra_events=extra, discretization=d)
         except (TypeError, ValueError, OverflowError, ZeroDivisionError, FloatingPointError) as exc:
             log.debug("accounting failed at sigma = %g (%s: %s); treating it as infeasible", s, type(exc).__name__, exc)
             return math.inf

@@ -33,10 +33,6 @@ from dp_accounting.pld import privacy_loss_mechanism as plm
 
 from . import _dp_accounting_compat as compat
 
-# dp-accounting's own thresholds: dictionaries of at most this many losses become sparse PMFs, and deltas may
-# rise by this much between neighbouring grid points before the connect-the-dots input is refused.
-_MAX_SPARSE = compat.MAX_PMF_SPARSE_SIZE
-_DELTA_DIFF_TOLERANCE = compat.DELTA_DIFF_TOLERANCE
 #: exp(x) is finite for x up to ~709.78; terms with -loss above this are not computed here.
 _EXP_SAFE = 709.0
 
@@ -53,14 +49,14 @@ def connect_dots_pmf(loss: plm.MonotonePrivacyLoss, discretization: float) -> pl
         return compat.library_connect_dots_pmf(loss, discretization)
     upper = math.ceil(bounds.epsilon_upper / discretization)
     lower = math.floor(bounds.epsilon_lower / discretization)
-    if upper - lower + 1 <= _MAX_SPARSE:
+    if upper - lower + 1 <= compat.MAX_PMF_SPARSE_SIZE:
         return compat.library_connect_dots_pmf(loss, discretization)
     deltas = loss.get_delta_for_epsilon(np.arange(lower, upper + 1) * discretization)
     return _dense_connect_dots(discretization, lower, upper, deltas)
 
 
 def _dense_connect_dots(discretization: float, lower: int, upper: int, deltas) -> pld_pmf.DensePLDPmf:
-    """`create_pmf_pessimistic_connect_dots_fixed_gap` for more than `_MAX_SPARSE` epsilons (its dense case).
+    """`create_pmf_pessimistic_connect_dots_fixed_gap` above the sparse limit (its dense case).
 
     The same checks and the same array operations in the same order (Algorithm 1 of Doroshenko et al.,
     "Connect the Dots", arXiv 2207.04380); the probabilities go into the dense PMF without the dictionary.
@@ -70,7 +66,7 @@ def _dense_connect_dots(discretization: float, lower: int, upper: int, deltas) -
         raise ValueError(f"{deltas.size} deltas for {upper - lower + 1} epsilons")
     if np.any(deltas < 0) or np.any(deltas > 1):
         raise ValueError(f"deltas are not between 0 and 1 : deltas={deltas}.")
-    if np.any(np.diff(deltas) > _DELTA_DIFF_TOLERANCE):
+    if np.any(np.diff(deltas) > compat.DELTA_DIFF_TOLERANCE):
         raise ValueError(f"deltas are not in non-increasing order: deltas={deltas}.")
     deltas = np.minimum.accumulate(deltas)
     diffs = np.diff(deltas)
