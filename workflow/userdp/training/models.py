@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from ..errors import ConfigError, DataError
 from ..io import atomic_dir
@@ -166,18 +167,10 @@ def load_model(name_or_path: str | os.PathLike, device: torch.device | str = "cp
     return model.to(device)
 
 
-def _safetensors_error() -> type[Exception]:
-    try:
-        from safetensors import SafetensorError
-    except ImportError:  # pragma: no cover - safetensors comes with transformers
-        return OSError
-    return SafetensorError
-
-
 # What a broken model folder raises while loading: missing or unreadable files (OSError), a config or model type
 # transformers does not know or a shape mismatch (ValueError, KeyError; JSON errors are ValueErrors), truncated
-# weights (SafetensorError). Anything else is a bug and keeps its traceback.
-_LOAD_ERRORS = (OSError, ValueError, KeyError, _safetensors_error())
+# weights (SafetensorError; safetensors comes with transformers). Anything else is a bug and keeps its traceback.
+_LOAD_ERRORS = (OSError, ValueError, KeyError, SafetensorError)
 
 
 def _load_error(name: str | os.PathLike, exc: BaseException) -> str:

@@ -205,7 +205,7 @@ def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, user_ha
     return _Choice(order[keep], ex_sorted[keep], kept_users, user_offsets)
 
 
-def _flat(col: pa.Array | pa.ChunkedArray, dtype: type = np.int32) -> tuple[np.ndarray, np.ndarray]:
+def flat_lists(col: pa.Array | pa.ChunkedArray, dtype: type = np.int32) -> tuple[np.ndarray, np.ndarray]:
     """(flat values, [rows + 1] int64 offsets) of a list column."""
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -216,7 +216,7 @@ def _flat(col: pa.Array | pa.ChunkedArray, dtype: type = np.int32) -> tuple[np.n
 
 def _flat_mask(mask_col: pa.Array | pa.ChunkedArray, offsets: np.ndarray) -> np.ndarray:
     """The loss-mask column's values, flat, checked to line up with the tokens (`offsets`)."""
-    values, mask_offsets = _flat(mask_col, bool)
+    values, mask_offsets = flat_lists(mask_col, bool)
     if not np.array_equal(mask_offsets, offsets):
         raise DataError(f"the tokens table's {LOSS_MASK} column does not line up with input_ids (a row's mask has "
                         "another length than its tokens); rebuild the data stage.")
@@ -255,7 +255,7 @@ def build_pool(train: pa.Table, group_size: int, seed: int) -> TrainingPool:
     del users
     choice = _choose(*_canonical_order(user_idx.reshape(-1), ex_ids), user_hashes(uniq, seed), group_size)
     kept = pa.array(choice.kept_rows)
-    values, offsets = _flat(train["input_ids"].take(kept))
+    values, offsets = flat_lists(train["input_ids"].take(kept))
     mask = _flat_mask(train[LOSS_MASK].take(kept), offsets) if LOSS_MASK in train.column_names else None
     return _pool([str(u) for u in uniq], choice, values, offsets, group_size, len(ex_ids), mask)
 
@@ -352,6 +352,6 @@ def load_train_pool(path: str | Path, group_size: int, seed: int, batch_rows: in
     canonical[by_file] = np.arange(len(by_file))
     in_order = {c: pa.chunked_array(pieces[c], type=pf.schema_arrow.field(c).type).take(pa.array(canonical))
                 for c in columns}
-    values, offsets = _flat(in_order["input_ids"])
+    values, offsets = flat_lists(in_order["input_ids"])
     mask = _flat_mask(in_order[LOSS_MASK], offsets) if LOSS_MASK in in_order else None
     return _pool([str(u) for u in uniq], choice, values, offsets, group_size, n_train, mask)

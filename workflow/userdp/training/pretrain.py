@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
 from ..errors import ConfigError, DataError
@@ -23,6 +22,7 @@ from ..io import read_table
 from ..logutil import Progress
 from ..seeding import derive_seed
 from .models import build_model, load_model, load_tokenizer, save_model_atomic, special_ids
+from .pool import flat_lists
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,8 @@ def _load_public(path: str | Path, sequence_length: int) -> list[np.ndarray]:
     table = read_table(path, columns=["input_ids"])
     if table.num_rows == 0:
         raise DataError(f"{path} has no rows; the public corpus is empty.")
-    col = table["input_ids"].combine_chunks()
-    values = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.int64)
-    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    values, offsets = flat_lists(table["input_ids"], np.int64)
+    lengths = np.diff(offsets)
     return [values[offsets[i]:offsets[i] + min(lengths[i], sequence_length)] for i in range(len(lengths)) if lengths[i] >= 2]
 
 

@@ -281,13 +281,11 @@ class RunState:
         self.resumed_at = list(state["resumed_at"]) + [self.step]
         self.apply_clip_norm()
 
-    def update(self) -> float:
-        """Optimizer and LR-schedule step on the privatised p.grad; the learning rate it used."""
-        lr = self.learning_rate()
+    def update(self) -> None:
+        """Optimizer and LR-schedule step on the privatised p.grad."""
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        return lr
 
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses (of the first parameter group)."""
