@@ -203,9 +203,9 @@ def test_plan_and_ledger_compose_the_release(counts, method):
     assert ledger["contribution_stats"]["epsilon"] == 0.2
     sigma_lo = plan.noise_multiplier / (1 + 2e-3)
     assert epsilon_of(method, sigma_lo, plan.sampling_rate, T, plan.delta, plan.group_size,
-                             extra_events=[hist.dp_event()]) > eps
+                             extra_events=[hist.dp_events[0]]) > eps
     # A run stopped before any step has still spent the release.
-    assert ledger_of(plan, 0)["epsilon"] == pytest.approx(A.fixed_events_epsilon([hist.dp_event()], plan.delta))
+    assert ledger_of(plan, 0)["epsilon"] == pytest.approx(A.fixed_events_epsilon([hist.dp_events[0]], plan.delta))
     if method == "els":
         assert plan.group_size == hist.median_group_size() and "DP histogram" in plan.group_size_rule
 

@@ -188,9 +188,6 @@ class NoisyHistogram(Contributions):
         """The release's Laplace event, composed into every cell's epsilon."""
         return (laplace_event(self.epsilon),)
 
-    def dp_event(self) -> dp_accounting.DpEvent:
-        return laplace_event(self.epsilon)
-
     def record(self) -> dict[str, Any]:
         """What plans and ledgers store about the release (enough to rebuild its DP event)."""
         return {

@@ -96,20 +96,15 @@ def snr_group_size(
         rate = cohort_rate(q_u, correlated)
         row = {"group_size": G, "mean_bounded_contribution": mean_contribution, "expected_batch": M,
                "sampling_rate": rate}
+        sigma = snr = skipped = None
         if rate > 1:
-            row.update(noise_multiplier=None, snr=None, skipped="sampling rate > 1" + (
-                f" (the rate within one of {correlated.bands} partitions)" if correlated else ""))
-            table.append(row)
-            continue
-        if M < min_cohort:
+            skipped = "sampling rate > 1" + (
+                f" (the rate within one of {correlated.bands} partitions)" if correlated else "")
+        elif M < min_cohort:
             # Noisy statistics can put weight on huge counts (large G, tiny mbar_G-driven cohorts): such a
             # candidate trains on almost no users per step, and its calibration nears a vacuous delta.
-            row.update(noise_multiplier=None, snr=None,
-                       skipped=f"expected cohort {M:.3g} users per step < privacy.group_size.snr_min_cohort = "
-                               f"{min_cohort:g}")
-            table.append(row)
-            continue
-        if math.isinf(epsilon):
+            skipped = f"expected cohort {M:.3g} users per step < privacy.group_size.snr_min_cohort = {min_cohort:g}"
+        elif math.isinf(epsilon):
             sigma = 0.0
         else:
             try:
@@ -123,12 +118,11 @@ def snr_group_size(
                     extra_events=contributions.dp_events,
                 ).noise_multiplier
             except PrivacyError as exc:
-                row.update(noise_multiplier=None, snr=None, skipped=str(exc))
-                table.append(row)
-                continue
-        signal = M * contributions.mean_survival(G, noise_ratio)
-        snr = signal / sigma if sigma > 0 else math.inf
-        row.update(noise_multiplier=sigma, snr=snr, skipped=None)
+                skipped = str(exc)
+        if skipped is None:
+            signal = M * contributions.mean_survival(G, noise_ratio)
+            snr = signal / sigma if sigma > 0 else math.inf
+        row.update(noise_multiplier=sigma, snr=snr, skipped=skipped)
         table.append(row)
     valid = [r for r in table if r["snr"] is not None]
     if not valid:

@@ -40,6 +40,7 @@ CALIBRATION_TIMING = "seconds"
 CLIPPING_MODES = ("flat", "normalized", adaptive_lib.ADAPTIVE)
 
 _FLOAT, _INT, _STR, _MAP, _LIST = "float", "int", "str", "mapping", "list"
+_TYPES = {_INT: int, _STR: str, _MAP: Mapping, _LIST: list}  # the kinds checked by their type (bool is no int)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,10 +173,7 @@ class RunSpec:
     @property
     def mechanism(self) -> mechanism_lib.Mechanism:
         """The sampling mechanism (method, q, T, G) as the typed object of `privacy.mechanism`."""
-        args = (float(self.sampling_rate), int(self.steps), int(self.group_size))
-        if self.correlated_noise is not None:
-            return mechanism_lib.BandedULS(*args, bands=int(self.correlated_noise["bands"]))
-        return mechanism_lib.get(self.method)(*args)
+        return mechanism_lib.from_record(vars(self))
 
     @property
     def event(self) -> Any:
@@ -322,14 +320,6 @@ def _typed(key: str, value: Any, kind: str, where: str, fix: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             raise bad
         return value
-    if kind == _INT:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        return value
-    if kind == _STR and not isinstance(value, str):
-        raise bad
-    if kind == _MAP and not isinstance(value, Mapping):
-        raise bad
-    if kind == _LIST and not isinstance(value, list):
+    if (kind == _INT and isinstance(value, bool)) or not isinstance(value, _TYPES[kind]):
         raise bad
     return value
