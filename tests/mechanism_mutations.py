@@ -106,7 +106,7 @@ def noise_on_every_rank() -> Iterator[None]:
         for p in self.params:
             p.grad.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.grad.dtype), alpha=std)
         if self.dist is not None and self.dist.active:
-            engine.distributed.all_reduce_grads(self.params, self.dist)
+            engine.distributed.all_reduce_grads_of([p.grad for p in self.params], self.dist)
         sums = sums.summed_over_ranks(self.dist, self.ctx.device)
         for p in self.params:
             p.grad.div_(self.expected)

@@ -11,10 +11,11 @@ from scipy import stats
 
 from train_fixtures import SEQ, tokens_table
 from userdp.errors import ConfigError
-from userdp.training.batching import check_uls_fits, pack_micro_batches, select_els, select_uls
+from userdp.training.batching import pack_micro_batches, select_els, select_uls
 from userdp.training.pool import build_pool
 from userdp.seeding import derive_seed
 from userdp.training.sampling import PoissonSampler
+from userdp.training.settings import check_uls_fits
 
 
 def _pool(G=4, n_users=80, seed=0):

@@ -18,7 +18,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .settings import check_uls_fits as config_check_uls_fits
 from ..errors import ConfigError
 from .pool import TrainingPool
 
@@ -49,11 +48,6 @@ class MicroBatch:
     row_weights: torch.Tensor     # [P] float32
     n_rows: int                   # real (non-padding) rows
     loss_mask: torch.Tensor | None = None  # [P, L] bool: loss targets (chat data); None: every token
-
-
-def check_uls_fits(group_size: int, physical_batch_size: int, examples_per_user: int | None) -> None:
-    """ULS micro-batches hold whole users: the largest user must fit in one (userdp.config.check_uls_fits)."""
-    config_check_uls_fits(group_size, physical_batch_size, examples_per_user, key="the plan")
 
 
 def select_els(pool: TrainingPool, sampled: np.ndarray) -> StepSelection:

@@ -133,11 +133,6 @@ def my_share(items: Sequence[T], ctx: DistContext | None) -> list[T]:
     return list(items[ctx.rank::ctx.world_size])
 
 
-def all_reduce_grads(params: Iterable[torch.nn.Parameter], ctx: DistContext | None) -> None:
-    """Sum p.grad over ranks in place, through one flat buffer per dtype (one collective, not one per tensor)."""
-    all_reduce_grads_of([p.grad for p in params], ctx)
-
-
 def all_reduce_grads_of(tensors: Iterable[torch.Tensor], ctx: DistContext | None) -> None:
     """Sum tensors over ranks in place, through one flat buffer per dtype (one collective, not one per tensor)."""
     if ctx is None or not ctx.active:

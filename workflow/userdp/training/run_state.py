@@ -21,14 +21,14 @@ from ..privacy.spec import RunSpec
 from . import checkpoint as ckpt
 from . import model_card, step_log
 from . import distributed
-from .batching import StepSelection, check_uls_fits
+from .batching import StepSelection
 from .gradients import MicroBatchStats
 from .noise import BandedNoise, GaussianNoise
 from .optim import AdamBC, make_optimizer, make_scheduler
 from .pool import TrainingPool
 from .run_seeds import public_seeds
 from .sampling import CyclicPoissonSampler, PoissonSampler
-from .settings import TrainSettings
+from .settings import TrainSettings, check_uls_fits
 
 # The plan keys that define the mechanism a checkpoint belongs to.
 FINGERPRINT_PLAN_KEYS = ("method", "sampling_rate", "noise_multiplier", "clip_norm", "clipping", "group_size",
@@ -146,7 +146,9 @@ class RunMechanism:
             raise DataError(f"the training pool was bounded with G = {pool.group_size} but the plan says group_size "
                             f"{mech.group_size}.")
         if mech.unit == "users":
-            check_uls_fits(mech.group_size, settings.physical_batch_size, settings.uls_examples_per_user)
+            # ULS micro-batches hold whole users: the largest user must fit in one
+            check_uls_fits(mech.group_size, settings.physical_batch_size, settings.uls_examples_per_user,
+                           key="the plan")
         clip_norm = None if spec.clip_norm is None else float(spec.clip_norm)
         return cls(mech, float(spec.noise_multiplier), clip_norm, spec.normalized,
                    spec.adaptive if spec.private else None, spec.banded)

@@ -178,7 +178,7 @@ class DPStep:
             if self.adaptive is not None:  # and the count's noise, once, from the same generator
                 sums.count_noise = self.noise.draw(self.adaptive.count_std(self.expected))
         if self.dist is not None and self.dist.active:
-            distributed.all_reduce_grads(self.params, self.dist)
+            distributed.all_reduce_grads_of([p.grad for p in self.params], self.dist)
         sums = sums.summed_over_ranks(self.dist, self.ctx.device)
         for p in self.params:
             p.grad.div_(self.expected)
