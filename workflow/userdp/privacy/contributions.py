@@ -42,11 +42,7 @@ def clipping_survival(m: np.ndarray | float, noise_ratio: float) -> np.ndarray:
 
 def powers_of_two_up_to(cap: int) -> list[int]:
     """1, 2, 4, ... <= max(1, cap): the candidate G values of the SNR rule."""
-    out, g = [], 1
-    while g <= max(1, int(cap)):
-        out.append(g)
-        g *= 2
-    return out
+    return [1 << k for k in range(max(1, int(cap)).bit_length())]
 
 
 class Contributions:
