@@ -40,9 +40,9 @@ def test_missing_artifact_is_named(tmp_path):
 
 
 def test_a_users_own_parquet_keeps_the_loaders_message(tmp_path, truncated):
-    from userdp.data.local import make_local
+    from userdp.data.local import LocalSource
 
-    src = make_local("mine", {"source": "local", "path": str(truncated)}, tmp_path / "data")
+    src = LocalSource("mine", {"source": "local", "path": str(truncated)}, tmp_path / "data")
     with pytest.raises(DataError) as exc:
         list(src.iter_batches(4))
     assert "not a valid Parquet file" in str(exc.value) and "pipeline artifact" not in str(exc.value)

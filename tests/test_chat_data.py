@@ -387,12 +387,12 @@ EXT = {"parquet": ".parquet", "jsonl": ".jsonl", "csv": ".csv"}
 
 def _local_chat(tmp_path, fmt: str, rows: list[dict], **spec):
     from builders import build_local
-    from userdp.data.local import make_local
+    from userdp.data.local import LocalSource
 
     if fmt == "csv":  # in CSV a conversation is its JSON text
         rows = [{k: json.dumps(v) if k == "messages" else v for k, v in r.items()} for r in rows]
     path = build_local(tmp_path / f"chats{EXT[fmt]}", fmt, rows)
-    return make_local("mine", {"source": "local", "path": str(path), **spec}, tmp_path / "data")
+    return LocalSource("mine", {"source": "local", "path": str(path), **spec}, tmp_path / "data")
 
 
 def _chat_rows(n_users: int = 12, seed: int = 0) -> list[dict]:
@@ -423,21 +423,21 @@ def test_a_conversation_without_an_answer_names_file_and_row(tmp_path, fmt, wher
 
 def test_a_csv_cell_that_is_not_json_is_named(tmp_path):
     from builders import build_local
-    from userdp.data.local import make_local
+    from userdp.data.local import LocalSource
 
     path = build_local(tmp_path / "c.csv", "csv", [{"author": "a", "messages": "hello there"}])
-    src = make_local("mine", {"source": "local", "path": str(path), "user_column": "author",
-                              "messages_column": "messages"}, tmp_path / "data")
+    src = LocalSource("mine", {"source": "local", "path": str(path), "user_column": "author",
+                               "messages_column": "messages"}, tmp_path / "data")
     with pytest.raises(DataError, match=r"row 1 \(not counting the header\), column 'messages' is not JSON text"):
         list(src.iter_batches(5))
 
 
 def test_two_kinds_of_example_in_a_dataset_spec_are_refused(tmp_path):
-    from userdp.data.local import make_local
+    from userdp.data.local import LocalSource
 
     with pytest.raises(ConfigError, match=r"datasets\.mine\.messages_column and datasets\.mine\.text_column"):
-        make_local("mine", {"source": "local", "path": "x.jsonl", "text_column": "t", "messages_column": "m"},
-                   tmp_path)
+        LocalSource("mine", {"source": "local", "path": "x.jsonl", "text_column": "t", "messages_column": "m"},
+                    tmp_path)
 
 
 def test_prepare_and_tokenize_carry_the_framing_and_the_loss_mask(tmp_path, ckpt, tok):

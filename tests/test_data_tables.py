@@ -11,7 +11,7 @@ import pytest
 
 from builders import LOCAL_ROWS, build_local, compress
 from test_data_public import data_workflow
-from userdp.data.local import make_local
+from userdp.data.local import LocalSource
 from userdp.data.public import PublicCorpus
 from userdp.data.tables import TableFile, compression_of, format_for
 from userdp.errors import ConfigError, DataError
@@ -21,7 +21,7 @@ COMPRESSIONS = {"gzip": ".gz", "bz2": ".bz2", "zstd": ".zst", "xz": ".xz"}
 
 
 def _local(path, **spec):
-    return make_local("mine", {"source": "local", "path": str(path), **spec}, path.parent / "data")
+    return LocalSource("mine", {"source": "local", "path": str(path), **spec}, path.parent / "data")
 
 
 def _rows(source, batch_rows=4):

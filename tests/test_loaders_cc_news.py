@@ -6,12 +6,12 @@ import pytest
 
 from builders import CC_NEWS_COLUMNS, build_cc_news_parquet, cc_news_rows
 from userdp.data.base import RAW_SCHEMA
-from userdp.data.cc_news import make_cc_news
+from userdp.data.cc_news import CCNewsSource
 from userdp.errors import ConfigError, DataError
 
 
 def _source(tmp_path, **spec):
-    return make_cc_news("news", {"source": "cc_news", **spec}, tmp_path / "data" / "news")
+    return CCNewsSource("news", {"source": "cc_news", **spec}, tmp_path / "data" / "news")
 
 
 def _rows(source, batch_rows=4):

@@ -8,13 +8,13 @@ import pytest
 
 from builders import build_fortune_file
 from userdp.data.base import PUBLIC_SCHEMA, RAW_SCHEMA
-from userdp.data.fortunes import author_name, make_fortunes, split_quote
+from userdp.data.fortunes import FortunesSource, author_name, split_quote
 from userdp.errors import ConfigError, DataError
 
 
 def _source(path=None, **spec):
     spec = {"source": "fortunes", **({"path": str(path)} if path else {}), **spec}
-    return make_fortunes("fortunes", spec, "unused")
+    return FortunesSource("fortunes", spec, "unused")
 
 
 def _private(src, batch_rows=2):

@@ -8,7 +8,7 @@ import pytest
 
 from builders import LOCAL_ROWS, build_local
 from userdp.data.base import RAW_SCHEMA
-from userdp.data.local import make_local
+from userdp.data.local import LocalSource
 from userdp.data.tables import find_bad_utf8
 from userdp.errors import ConfigError, DataError
 
@@ -18,7 +18,7 @@ EXT = {"parquet": ".parquet", "jsonl": ".jsonl", "csv": ".csv"}
 
 
 def _source(path, **spec):
-    return make_local("mine", {"source": "local", "path": str(path), **spec}, path.parent / "data")
+    return LocalSource("mine", {"source": "local", "path": str(path), **spec}, path.parent / "data")
 
 
 def _rows(source, batch_rows=4):
@@ -169,7 +169,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"datasets\.mine\.url.*allowed keys.*'user_column'"):
         _source(tmp_path / "d.csv", url="http://x")
     with pytest.raises(ConfigError, match=r"datasets\.mine\.path is required"):
-        make_local("mine", {"source": "local"}, tmp_path)
+        LocalSource("mine", {"source": "local"}, tmp_path)
 
 
 def test_jsonl_with_integer_and_string_ids_is_refused(tmp_path):

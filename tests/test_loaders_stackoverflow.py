@@ -9,12 +9,12 @@ import pytest
 
 from builders import SO_ROWS, build_tff_sqlite, lzma_compress, serve_dir
 from userdp.data.base import RAW_SCHEMA
-from userdp.data.stackoverflow import StackOverflowSource, make_stackoverflow
+from userdp.data.stackoverflow import StackOverflowSource
 from userdp.errors import ConfigError, DataError
 
 
 def _source(tmp_path, **spec):
-    return make_stackoverflow("so", {"source": "stackoverflow", **spec}, tmp_path / "data" / "so")
+    return StackOverflowSource("so", {"source": "stackoverflow", **spec}, tmp_path / "data" / "so")
 
 
 def _rows(source, batch_rows=3):

@@ -27,7 +27,6 @@ or column) and the fix.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator, Protocol
 
 import pyarrow as pa
@@ -58,3 +57,14 @@ class Source(Protocol):
 
     def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
         """Yield PUBLIC_SCHEMA batches of public text (only if has_public())."""
+
+
+class NoPublicPart:
+    """The public part of a loader without a built-in one: none. A `public` key gives one (open_source wraps
+    the source with userdp.data.public.WithPublicCorpus)."""
+
+    def has_public(self) -> bool:
+        return False
+
+    def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
+        return iter(())

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from ..errors import DataError
 from ..logutil import Progress
-from .base import RAW_SCHEMA
+from .base import RAW_SCHEMA, NoPublicPart
 from .sources import source_keys
 from .spec_keys import check_keys, max_examples
 
@@ -41,7 +41,7 @@ DEFAULT_HUB_SPLIT = "train"
 HUB_COLUMNS = ("title", "text", "domain", "date", "description", "url", "image_url")
 
 
-class CCNewsSource:
+class CCNewsSource(NoPublicPart):
     """CC-News articles grouped by domain, read in batches through `datasets`."""
 
     def __init__(self, name: str, spec: dict, data_dir: Path, seed: int = 0):
@@ -167,15 +167,3 @@ class CCNewsSource:
             raise DataError(f"reading {self.where} failed: {type(exc).__name__}: {exc}") from exc
         if self.dropped_no_domain:
             log.warning("%s: dropped %d articles with no domain (no user)", self.name, self.dropped_no_domain)
-
-    def has_public(self) -> bool:
-        # No built-in public part; a `public` key gives one (open_source wraps
-        # this source with userdp.data.public.WithPublicCorpus).
-        return False
-
-    def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
-        return iter(())
-
-
-def make_cc_news(name: str, spec: dict, data_dir: Path, seed: int = 0) -> CCNewsSource:
-    return CCNewsSource(name, spec, data_dir, seed)

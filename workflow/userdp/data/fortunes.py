@@ -232,7 +232,3 @@ class FortunesSource:
 def _normalise(text: str) -> str:
     """Text with runs of whitespace collapsed to one space, for overlap checks."""
     return " ".join(text.split())
-
-
-def make_fortunes(name: str, spec: dict, data_dir: Path, seed: int = 0) -> FortunesSource:
-    return FortunesSource(name, spec, data_dir, seed)

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import ConfigError, DataError
-from .base import RAW_SCHEMA
+from .base import RAW_SCHEMA, NoPublicPart
 from .chat import Framing, check_example, to_text
 from .sources import source_keys
 from .spec_keys import check_keys, max_examples
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 FORMATS = ("parquet", "csv", "tsv", "jsonl", "save_to_disk")
 
 
-class LocalSource:
+class LocalSource(NoPublicPart):
     """A local data file (or folder) with user and example columns."""
 
     def __init__(self, name: str, spec: dict, data_dir: Path, seed: int = 0):
@@ -207,15 +207,3 @@ class LocalSource:
         return pa.table({"user_id": table.column("user_id"),
                          "kind": pa.array(["label"] * table.num_rows, pa.string()),
                          "label": table.column("label")})
-
-    def has_public(self) -> bool:
-        # No built-in public part; a `public` key gives one (open_source wraps
-        # this source with userdp.data.public.WithPublicCorpus).
-        return False
-
-    def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
-        return iter(())
-
-
-def make_local(name: str, spec: dict, data_dir: Path, seed: int = 0) -> LocalSource:
-    return LocalSource(name, spec, data_dir, seed)

@@ -40,7 +40,6 @@ from typing import Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
 from .chat import FRAMING_META, Framing

@@ -35,7 +35,7 @@ import pyarrow as pa
 from ..errors import ConfigError, DataError
 from ..logutil import Progress
 from . import download as dl
-from .base import RAW_SCHEMA
+from .base import RAW_SCHEMA, NoPublicPart
 from .sources import source_keys
 from .spec_keys import check_keys, max_examples
 from .tfexample import DecodeError, bytes_feature, example_class
@@ -88,7 +88,7 @@ def check_tff_sqlite(path: Path) -> None:
             )
 
 
-class StackOverflowSource:
+class StackOverflowSource(NoPublicPart):
     """The TFF Stack Overflow SQLite, streamed in pages of rows."""
 
     def __init__(self, name: str, spec: dict, data_dir: Path, seed: int = 0):
@@ -233,15 +233,3 @@ class StackOverflowSource:
             raise DataError(f"{path}: reading the examples table failed ({exc}); the file may be corrupt.") from exc
         finally:
             con.close()
-
-    def has_public(self) -> bool:
-        # No built-in public part; a `public` key gives one (open_source wraps
-        # this source with userdp.data.public.WithPublicCorpus).
-        return False
-
-    def iter_public(self, batch_rows: int = 10_000) -> Iterator[pa.RecordBatch]:
-        return iter(())
-
-
-def make_stackoverflow(name: str, spec: dict, data_dir: Path, seed: int = 0) -> StackOverflowSource:
-    return StackOverflowSource(name, spec, data_dir, seed)
