@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 
 from ..io import read_frame
 from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES
-from .output import save_figure
+from .output import legend_entries, save_figure
 
 STYLE = {
     "els": {"color": "tab:blue", "marker": "o", "linestyle": "-"},
@@ -72,14 +72,8 @@ def noise_vs_group_size_figure(df):
         rax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("noise multiplier σ\n(noise std / clip norm)")
     all_axes[1][0].set_ylabel("σ group privacy /\nσ tight (ELS)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    seen = {}
-    for h, lab in zip(handles, labels):
-        seen.setdefault(lab, h)
-    for ax in axes[0][1:]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            seen.setdefault(lab, h)
-    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(2, len(seen)), frameon=False)
+    handles, labels = legend_entries(axes[0])
+    fig.legend(handles, labels, loc="lower center", ncol=min(2, len(labels)), frameon=False)
     fig.suptitle(
         f"Noise needed vs G at sampling rate q = {q:g}, T = {T} steps, δ = {delta:.0e}",
         fontsize=11,

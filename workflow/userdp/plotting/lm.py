@@ -29,6 +29,7 @@ from matplotlib.lines import Line2D
 
 from ..evaluation.findings import CellStats, contrast
 from ..privacy import seed_secrecy
+from .output import legend_entries
 
 METHODS = {
     "els": {"color": "tab:blue", "marker": "o", "linestyle": "-", "label": "DP-SGD-ELS (example-level sampling)"},
@@ -117,9 +118,26 @@ def _steps_for(df: pd.DataFrame, budget: int) -> int | None:
     return int(s.iloc[0]) if len(s) else None
 
 
-def _grid_shape(n: int) -> tuple[int, int]:
-    cols = min(n, 3)
-    return math.ceil(n / cols), cols
+def _panels(n: int, ylabel: str, sharey: bool = True):
+    """A figure of `n` panels, at most 3 a row (those left over hidden), and its axes; the first column's y label."""
+    cols = min(max(1, n), 3)
+    rows = math.ceil(max(1, n) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), sharey=sharey, squeeze=False,
+                             layout="constrained")
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+    return fig, axes
+
+
+def _ticks_at(ax, ticks: list, labels: list[str], widen: bool = True) -> None:
+    """x ticks exactly at `ticks` (no minor ticks); with `widen`, a single tick gets a factor 2 of room either side."""
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels)
+    ax.minorticks_off()
+    if widen and len(ticks) == 1:
+        ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
 
 
 def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: str) -> Figure:
@@ -130,9 +148,7 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
     """
     main = _main(summary)
     budgets = sorted(main["budget"].unique())
-    rows, cols = _grid_shape(max(1, len(budgets)))
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), sharey=True, squeeze=False,
-                             layout="constrained")
+    fig, axes = _panels(len(budgets), LOSS_LABEL)
     pre = _pretrained_value(pretrained)
     private_eps = sorted(e for e in main["epsilon"].unique() if math.isfinite(e))
     for ax, budget in zip(axes.flat, budgets):
@@ -154,18 +170,10 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
         ax.margins(y=0.08)  # keep reference lines off the frame
         ax.set_xscale("log")
         if private_eps:
-            ax.set_xticks(private_eps)
-            ax.set_xticklabels([_num(e) for e in private_eps])
-            ax.minorticks_off()
-            if len(private_eps) == 1:
-                ax.set_xlim(private_eps[0] / 2, private_eps[0] * 2)
+            _ticks_at(ax, private_eps, [_num(e) for e in private_eps])
         ax.set_title(_budget_title(budget, _steps_for(sub, budget)), fontsize=10)
         ax.set_xlabel(f"user-level privacy budget ε (log scale{_delta_note(sub)})")
         ax.grid(True, alpha=0.3)
-    for ax in axes.flat[len(budgets):]:
-        ax.set_visible(False)
-    for ax in axes[:, 0]:
-        ax.set_ylabel(LOSS_LABEL)
     _legend_below(fig, axes.flat[0])
     fig.suptitle(f"{dataset}: test loss vs privacy budget ε ({_seed_note(main)}; "
                  f"{_rate_note(summary)})", fontsize=11)
@@ -191,9 +199,7 @@ def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: s
     stats = mean_over_seeds(main, ["method", "epsilon", "budget"])
     finite = sorted(e for e in stats["epsilon"].unique() if math.isfinite(e))
     panels = finite or [math.inf]
-    rows, cols = _grid_shape(len(panels))
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), sharey=True, squeeze=False,
-                             layout="constrained")
+    fig, axes = _panels(len(panels), LOSS_LABEL)
     budgets = sorted(stats["budget"].unique())
     pre = _pretrained_value(pretrained)
     for ax, e in zip(axes.flat, panels):
@@ -214,18 +220,10 @@ def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: s
                     ax.plot(ref["budget"], ref["mean"], **ref_style)
         _pretrained_line(ax, pre)
         ax.set_xscale("log")
-        ax.set_xticks(budgets)
-        ax.set_xticklabels([f"{int(b):,}" for b in budgets])
-        ax.minorticks_off()
-        if len(budgets) == 1:
-            ax.set_xlim(budgets[0] / 2, budgets[0] * 2)
+        _ticks_at(ax, budgets, [f"{int(b):,}" for b in budgets])
         ax.set_title(_eps_label(e) + _delta_note(main), fontsize=10)
         ax.set_xlabel(BUDGET_LABEL + ", log scale", fontsize=9)
         ax.grid(True, alpha=0.3)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax in axes[:, 0]:
-        ax.set_ylabel(LOSS_LABEL)
     _legend_below(fig, axes.flat[0])
     title = f"{dataset}: test loss vs compute budget, a panel per ε ({_seed_note(main)})"
     if len(budgets) == 1:
@@ -323,11 +321,7 @@ def loss_vs_group_size(
     ax.set_xscale("log", base=2)
     gs = sorted({int(g) for g in all_g if pd.notna(g)})
     if gs:
-        ax.set_xticks(gs)
-        ax.set_xticklabels([str(g) for g in gs])
-        ax.minorticks_off()
-        if len(gs) == 1:
-            ax.set_xlim(gs[0] / 2, gs[0] * 2)
+        _ticks_at(ax, gs, [str(g) for g in gs])
     ax.set_xlabel("contribution bound G (max examples per user, log scale)")
     ax.set_ylabel(LOSS_LABEL)
     ax.grid(True, alpha=0.3)
@@ -418,9 +412,7 @@ def training_curves(curves: pd.DataFrame, dataset: str, window: int | None = Non
     value, value_label, value_title = curve_value(curves)
     main = curves[~curves["is_group_sweep"].astype(bool)] if len(curves) else curves
     budgets = sorted(main["budget"].unique()) if len(main) else []
-    rows, cols = _grid_shape(max(1, len(budgets)))
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), squeeze=False,
-                             layout="constrained")
+    fig, axes = _panels(len(budgets), value_label, sharey=False)
     finite = sorted(e for e in main["epsilon"].unique() if math.isfinite(e)) if len(main) else []
     colours = _eps_colours(finite)
     for ax, budget in zip(axes.flat, budgets):
@@ -437,10 +429,6 @@ def training_curves(curves: pd.DataFrame, dataset: str, window: int | None = Non
                      fontsize=10)
         ax.set_xlabel("training step")
         ax.grid(True, alpha=0.3)
-    for ax in axes.flat[len(budgets):]:
-        ax.set_visible(False)
-    for ax in axes[:, 0]:
-        ax.set_ylabel(value_label)
     handles = [Line2D([], [], color="0.3", linestyle=_style(m)["linestyle"], label=_style(m)["label"])
                for m in _method_order(main["method"].unique() if len(main) else [])]
     handles += [Line2D([], [], color=colours[e], label=_eps_label(e)) for e in finite]
@@ -475,12 +463,7 @@ def _pretrained_value(pretrained: Mapping | None) -> float | None:
 
 
 def _legend_below(fig: Figure, ax) -> None:
-    handles, labels = [], []
-    for a in fig.axes:
-        for h, l in zip(*a.get_legend_handles_labels()):
-            if l not in labels:
-                handles.append(h)
-                labels.append(l)
+    handles, labels = legend_entries(fig.axes)
     # private lines first, then the non-private references, then the pretrained model
     rank = [0 if l.startswith("DP-SGD") else 1 if "non-private" in l else 2 for l in labels]
     order = sorted(range(len(labels)), key=lambda i: (rank[i], i))
@@ -534,9 +517,7 @@ def options_loss_gap(summary: pd.DataFrame, options: pd.DataFrame, dataset: str)
             ax.axhline(0.0, color="0.35", linewidth=1, linestyle="-.")
             ax.set_xscale("log")
             if private_eps:
-                ax.set_xticks(private_eps)
-                ax.set_xticklabels([_num(e) for e in private_eps])
-                ax.minorticks_off()
+                _ticks_at(ax, private_eps, [_num(e) for e in private_eps], widen=False)
             ax.set_title(f"{name}: {_budget_title(budget, _steps_for(main, budget))}", fontsize=9)
             ax.set_xlabel(f"user-level privacy budget ε (log scale{_delta_note(main)})")
             ax.grid(True, alpha=0.3)

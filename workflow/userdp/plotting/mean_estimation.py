@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .output import save_figure
+from .output import legend_entries, save_figure
 
 STYLE = {
     "els": dict(color="#1f77b4", marker="o", label="DP-SGD-ELS (G = median)"),
@@ -38,16 +38,6 @@ def _fmt_budget(k: float) -> str:
     return f"{k / 10**e:g}e{e}"
 
 
-def _xticks(ax, values, fmt: Callable[[float], str] = lambda v: f"{v:g}") -> None:
-    """Ticks exactly at the swept values, plainly labelled (no overlapping log minor labels)."""
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
-
-    ax.xaxis.set_major_locator(FixedLocator(sorted(values)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v)))
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_minor_formatter(NullFormatter())
-
-
 def _stats(df: pd.DataFrame, x: str) -> pd.DataFrame:
     g = df.groupby(x)["squared_error"]
     out = g.agg(["mean", "count"])
@@ -62,9 +52,29 @@ def _line(ax, df: pd.DataFrame, x: str, style: dict) -> None:
     ax.errorbar(s[x], s["mean"], yerr=s["sem"], capsize=2, lw=1.5, ms=4, **style)
 
 
-def _grid(n_rows: int, n_cols: int):
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(3.3 * n_cols + 0.6, 2.7 * n_rows + 1.0), squeeze=False)
-    return fig, axes
+def _panels(df: pd.DataFrame, row: str, col: str):
+    """The figure, its axes, and per panel (axes, row value, column value, the panel's rows of `df`): a row of
+    panels per value of column `row`, a column per value of `col`."""
+    rows, cols = sorted(df[row].unique()), sorted(df[col].unique())
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(3.3 * len(cols) + 0.6, 2.7 * len(rows) + 1.0),
+                             squeeze=False)
+    panels = [(axes[i, j], r, c, df[(df[row] == r) & (df[col] == c)])
+              for i, r in enumerate(rows) for j, c in enumerate(cols)]
+    return fig, axes, panels
+
+
+def _log_axes(ax, values, title: str, fmt: Callable[[float], str] = lambda v: f"{v:g}", base: int = 10) -> None:
+    """Log-log axes, x ticks exactly at the swept values, plainly labelled (no overlapping log minor labels)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    ax.set_xscale("log", base=base)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(sorted(values)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v)))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
 
 
 def _finish(fig, axes, title: str, xlabel: str, out_png: str, out_pdf: str | None) -> None:
@@ -72,12 +82,7 @@ def _finish(fig, axes, title: str, xlabel: str, out_png: str, out_pdf: str | Non
         ax.set_xlabel(xlabel)
     for ax in axes[:, 0]:
         ax.set_ylabel(YLABEL)
-    handles, labels = [], []
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
+    handles, labels = legend_entries(axes.flat)
     h = fig.get_figheight()
     # Lay out the panels first, then make room at the top for title and legend.
     fig.tight_layout()
@@ -85,11 +90,6 @@ def _finish(fig, axes, title: str, xlabel: str, out_png: str, out_pdf: str | Non
     fig.suptitle(title, y=1.0 - 0.02 / h, fontsize=11)
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), frameon=False,
                bbox_to_anchor=(0.5, 1.0 - 0.45 / h), fontsize=9)
-    save(fig, out_png, out_pdf)
-
-
-def save(fig, out_png: str, out_pdf: str | None = None) -> None:
-    """Write the figure to PNG (and PDF) atomically, then close it."""
     save_figure(fig, out_png, *([out_pdf] if out_pdf else []))
 
 
@@ -106,59 +106,35 @@ def _chosen(df: pd.DataFrame, method: str) -> pd.DataFrame:
 
 def plot_vs_epsilon(results: pd.DataFrame, out_png: str, out_pdf: str | None = None) -> None:
     """Error vs epsilon; rows: compute budget, columns: diversity s."""
-    budgets, divs = sorted(results["compute_budget"].unique()), sorted(results["diversity"].unique())
-    fig, axes = _grid(len(budgets), len(divs))
-    for i, k in enumerate(budgets):
-        for j, s in enumerate(divs):
-            ax = axes[i, j]
-            cell = results[(results["compute_budget"] == k) & (results["diversity"] == s)]
-            for m in ("els", "uls"):
-                _line(ax, _chosen(cell, m), "epsilon", STYLE[m])
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            _xticks(ax, results["epsilon"].unique())
-            ax.set_title(f"K = {_fmt_budget(k)}, s = {s:g}", fontsize=9)
-            ax.grid(True, which="major", alpha=0.3)
+    fig, axes, panels = _panels(results, "compute_budget", "diversity")
+    for ax, k, s, cell in panels:
+        for m in ("els", "uls"):
+            _line(ax, _chosen(cell, m), "epsilon", STYLE[m])
+        _log_axes(ax, results["epsilon"].unique(), f"K = {_fmt_budget(k)}, s = {s:g}")
     _finish(fig, axes, f"Mean estimation: error vs privacy budget ε\n{_setting(results)}",
             "user-level ε", out_png, out_pdf)
 
 
 def plot_vs_diversity(results: pd.DataFrame, out_png: str, out_pdf: str | None = None) -> None:
     """Error vs intra-user diversity s; rows: compute budget, columns: epsilon."""
-    budgets, epss = sorted(results["compute_budget"].unique()), sorted(results["epsilon"].unique())
     med = int(results["median_contributions"].iloc[0])
-    fig, axes = _grid(len(budgets), len(epss))
-    for i, k in enumerate(budgets):
-        for j, e in enumerate(epss):
-            ax = axes[i, j]
-            cell = results[(results["compute_budget"] == k) & (results["epsilon"] == e)]
-            for m in ("els", "uls"):
-                _line(ax, _chosen(cell, m), "diversity", STYLE[m])
-            _line(ax, cell[(cell["method"] == "uls") & (cell["group_size"] == med)], "diversity", STYLE["uls_median"])
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            _xticks(ax, results["diversity"].unique())
-            ax.set_title(f"K = {_fmt_budget(k)}, ε = {e:g}", fontsize=9)
-            ax.grid(True, which="major", alpha=0.3)
+    fig, axes, panels = _panels(results, "compute_budget", "epsilon")
+    for ax, k, e, cell in panels:
+        for m in ("els", "uls"):
+            _line(ax, _chosen(cell, m), "diversity", STYLE[m])
+        _line(ax, cell[(cell["method"] == "uls") & (cell["group_size"] == med)], "diversity", STYLE["uls_median"])
+        _log_axes(ax, results["diversity"].unique(), f"K = {_fmt_budget(k)}, ε = {e:g}")
     _finish(fig, axes, f"Mean estimation: error vs intra-user diversity s\n{_setting(results)}",
             "intra-user diversity s", out_png, out_pdf)
 
 
 def plot_vs_budget(results: pd.DataFrame, out_png: str, out_pdf: str | None = None) -> None:
     """Error vs compute budget K; rows: epsilon, columns: diversity s."""
-    epss, divs = sorted(results["epsilon"].unique()), sorted(results["diversity"].unique())
-    fig, axes = _grid(len(epss), len(divs))
-    for i, e in enumerate(epss):
-        for j, s in enumerate(divs):
-            ax = axes[i, j]
-            cell = results[(results["epsilon"] == e) & (results["diversity"] == s)]
-            for m in ("els", "uls"):
-                _line(ax, _chosen(cell, m), "compute_budget", STYLE[m])
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            _xticks(ax, results["compute_budget"].unique(), _fmt_budget)
-            ax.set_title(f"ε = {e:g}, s = {s:g}", fontsize=9)
-            ax.grid(True, which="major", alpha=0.3)
+    fig, axes, panels = _panels(results, "epsilon", "diversity")
+    for ax, e, s, cell in panels:
+        for m in ("els", "uls"):
+            _line(ax, _chosen(cell, m), "compute_budget", STYLE[m])
+        _log_axes(ax, results["compute_budget"].unique(), f"ε = {e:g}, s = {s:g}", _fmt_budget)
     _finish(fig, axes, f"Mean estimation: error vs compute budget K\n{_setting(results)}",
             "compute budget K (per-example gradients)", out_png, out_pdf)
 
@@ -177,26 +153,18 @@ def plot_vs_group_size(results: pd.DataFrame, out_png: str, out_pdf: str | None 
     else:
         eps = epsilon
     df = results[results["epsilon"] == eps]
-    budgets, divs = sorted(df["compute_budget"].unique()), sorted(df["diversity"].unique())
     med = int(df["median_contributions"].iloc[0])
-    fig, axes = _grid(len(budgets), len(divs))
-    for i, k in enumerate(budgets):
-        for j, s in enumerate(divs):
-            ax = axes[i, j]
-            cell = df[(df["compute_budget"] == k) & (df["diversity"] == s)]
-            for m, label in (("els", "DP-SGD-ELS"), ("uls", "DP-SGD-ULS")):
-                style = {**STYLE[m], "label": label}
-                _line(ax, cell[cell["method"] == m], "group_size", style)
-            best = _chosen(cell, "uls")
-            if not best.empty:
-                st = _stats(best, "group_size")
-                ax.plot(st["group_size"], st["mean"], marker="*", ms=13, color="#d62728", mec="k", ls="none",
-                        label="ULS: G chosen on tuning seeds")
-            ax.axvline(med, color="#1f77b4", ls=":", lw=1.2, label=f"ELS heuristic G = median = {med}")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            _xticks(ax, df["group_size"].unique(), lambda v: f"{int(v)}")
-            ax.set_title(f"K = {_fmt_budget(k)}, s = {s:g}", fontsize=9)
-            ax.grid(True, which="major", alpha=0.3)
+    fig, axes, panels = _panels(df, "compute_budget", "diversity")
+    for ax, k, s, cell in panels:
+        for m, label in (("els", "DP-SGD-ELS"), ("uls", "DP-SGD-ULS")):
+            style = {**STYLE[m], "label": label}
+            _line(ax, cell[cell["method"] == m], "group_size", style)
+        best = _chosen(cell, "uls")
+        if not best.empty:
+            st = _stats(best, "group_size")
+            ax.plot(st["group_size"], st["mean"], marker="*", ms=13, color="#d62728", mec="k", ls="none",
+                    label="ULS: G chosen on tuning seeds")
+        ax.axvline(med, color="#1f77b4", ls=":", lw=1.2, label=f"ELS heuristic G = median = {med}")
+        _log_axes(ax, df["group_size"].unique(), f"K = {_fmt_budget(k)}, s = {s:g}", lambda v: f"{int(v)}", base=2)
     _finish(fig, axes, f"Mean estimation: error vs contribution bound G at ε = {eps:g}\n{_setting(df)}",
             "contribution bound G (examples per user)", out_png, out_pdf)

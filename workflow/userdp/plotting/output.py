@@ -1,4 +1,4 @@
-"""Saving figures: every format atomically, headless backend."""
+"""Saving figures (every format atomically, headless backend) and what the figures' legends share."""
 
 from __future__ import annotations
 
@@ -23,3 +23,12 @@ def save_figure(fig: "matplotlib.figure.Figure", *paths: str | os.PathLike, dpi:
                 fig.savefig(tmp, format=ext, dpi=dpi, bbox_inches="tight")
     finally:
         plt.close(fig)
+
+
+def legend_entries(axes) -> tuple[list, list[str]]:
+    """The legend handles and labels of all `axes`, each label once (with its first handle), in drawing order."""
+    entries: dict = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    return list(entries.values()), list(entries)
