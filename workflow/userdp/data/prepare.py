@@ -260,10 +260,12 @@ def prepare_dataset(
         with ParquetBatchWriter(pass1, schema) as writer:
             buf: list[pa.Table] = []
             buffered = 0
-            progress = _NoProgress() if private_stats else Progress(log, _expected_rows(source, limit), f"{name}: rows read")
+            # with DP contribution statistics no row count is logged
+            progress = None if private_stats else Progress(log, _expected_rows(source, limit), f"{name}: rows read")
             for batch in _capped(source.iter_batches(batch_rows), limit):
                 n_raw += batch.num_rows
-                progress.update(batch.num_rows)
+                if progress is not None:
+                    progress.update(batch.num_rows)
                 uid = batch.column("user_id")
                 if uid.null_count:
                     raise DataError(
@@ -448,13 +450,6 @@ def public_view(stats: dict) -> dict:
         "contributions_dp.json and no exact statistic of them is written (docs/privacy.md)."
     )
     return out
-
-
-class _NoProgress:
-    """Stands in for logutil.Progress when the row counts must not be logged."""
-
-    def update(self, n: int = 1, extra: str = "") -> None:
-        pass
 
 
 def write_public(source, name: str, path: str | Path, batch_rows: int = 100_000) -> dict:

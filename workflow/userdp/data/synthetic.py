@@ -262,7 +262,6 @@ class TopicModels:
         self.offset: dict[str, int] = {}
         self.size: dict[str, int] = {}
         self.cdf: dict[str, np.ndarray] = {}  # cat -> (K, V_cat) cumulative probs
-        self.prob: dict[str, np.ndarray] = {}
         for cat in ("N", "V", "A"):
             pool, members = _category_pool(cat)
             self.offset[cat], self.size[cat] = len(self.words), len(pool)
@@ -272,7 +271,6 @@ class TopicModels:
                 ids = rng.permutation(members[k % len(THEMES)])  # seeded Zipf ranking
                 w = 1.0 / np.arange(1, len(ids) + 1) ** zipf_exponent
                 p[k, ids] += (1 - background_mass) * w / w.sum()
-            self.prob[cat] = p
             self.cdf[cat] = np.cumsum(p, axis=1)
             self.cdf[cat][:, -1] = 1.0
         for cat, pool in FUNCTION.items():
@@ -284,7 +282,6 @@ class TopicModels:
             cat: np.stack([self._sample_cat(rng, cat, np.full(n_nouns, k)) for k in range(n_topics)])
             for cat in ("A", "V")
         }  # (K, n_nouns) -> index within category
-        self.n_topics = n_topics
 
     def _sample_cat(self, rng: np.random.Generator, cat: str, topics: np.ndarray) -> np.ndarray:
         """Draw one word index (within category) per entry of `topics`, vectorised."""
@@ -348,9 +345,8 @@ def _generate_texts(
     ids = np.where(slot >= 0, slot, -1)
     rows, cols = np.nonzero(slot <= -2)
     cat_of = -2 - slot[rows, cols]
-    # Nouns first: adjectives and verbs may attach to them.
-    order = [0, 1, 2, 3, 4, 5, 6]
-    for c in order:
+    # Nouns first (_CATS order): adjectives and verbs may attach to them.
+    for c in range(len(_CATS)):
         sel = cat_of == c
         r, col = rows[sel], cols[sel]
         cat = _CATS[c]
