@@ -255,10 +255,9 @@ def make_canaries(spec: CanarySpec, meta: dict, config_seed: int, dataset: str,
     included = rng.random(spec.n_canaries) < INCLUSION_PROBABILITY
     if spec.design == "random" and spec.prefix_length == 0:  # the first audit's canaries, draw for draw
         prefixes = np.zeros((spec.n_canaries, 0), dtype=np.int64)
-        secrets = draw_secrets(spec, meta, rng, prefixes, corpus)
     else:
         prefixes = prefix_pool[rng.integers(0, prefix_pool.size, size=(spec.n_canaries, spec.prefix_length))]
-        secrets = draw_secrets(spec, meta, rng, prefixes, corpus)
+    secrets = draw_secrets(spec, meta, rng, prefixes, corpus)
     # The candidates the exposure ranks each secret among: the same design's secrets for the same prefix, from
     # their own stream (the canaries do not depend on how many candidates there are).
     crng = np.random.default_rng(derive_seed(int(config_seed), dataset, spec.seed, "audit-candidates"))

@@ -48,9 +48,12 @@ log = logging.getLogger("userdp.data.chat")
 KINDS = ("text", "messages", "prompt_completion")
 FRAMING_META = "userdp_framing"  # examples.parquet schema metadata key: the examples' framing kind
 LOSS_MASK = "loss_mask"          # tokens table column: per token, whether it is a target
+#: Per framing kind, the settings that name its example columns (in the order of `Framing.columns`).
+_KIND_KEYS = {"text": ("text_column",), "messages": ("messages_column",),
+              "prompt_completion": ("prompt_column", "completion_column")}
 #: The settings that name a table's example columns (make_private's keywords, PrivacyArguments' fields, the
 #: local source's datasets.<name>.* keys).
-COLUMN_KEYS = ("text_column", "messages_column", "prompt_column", "completion_column")
+COLUMN_KEYS = tuple(key for keys in _KIND_KEYS.values() for key in keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +69,10 @@ class Framing:
            owner: str = "", default_text: str | None = None) -> "Framing":
         """The framing the given column names ask for; exactly one kind. `owner` prefixes the names in errors;
         `default_text`: the text column when no column is given (None: that is an error)."""
-        given = {k: v for k, v in (("text_column", text_column), ("messages_column", messages_column),
-                                   ("prompt_column", prompt_column), ("completion_column", completion_column))
+        given = {k: v for k, v in zip(COLUMN_KEYS, (text_column, messages_column, prompt_column, completion_column))
                  if v is not None}
         if not given and default_text is not None:
-            given, text_column = {"text_column": default_text}, default_text
+            given = {"text_column": default_text}
         for key, value in given.items():
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{owner}{key} is {value!r}; give the column's name.")
@@ -79,8 +81,7 @@ class Framing:
             other = ({"prompt_column", "completion_column"} - set(pair)).pop()
             raise ConfigError(f"{owner}{pair[0]} is set but {owner}{other} is not: instruction data needs both "
                               "(the loss is on the completion only).")
-        kinds = [k for k, on in (("text", "text_column" in given), ("messages", "messages_column" in given),
-                                 ("prompt_completion", bool(pair))) if on]
+        kinds = [kind for kind, keys in _KIND_KEYS.items() if any(k in given for k in keys)]
         if len(kinds) > 1:
             raise ConfigError(f"{' and '.join(owner + k for k in sorted(given))} are set: give one kind of example, "
                               f"{owner}text_column (plain text), {owner}messages_column (chat, loss on the "
@@ -88,12 +89,7 @@ class Framing:
         if not kinds:
             raise ConfigError(f"no column of examples is given: set {owner}text_column, {owner}messages_column or "
                               f"{owner}prompt_column with {owner}completion_column.")
-        kind = kinds[0]
-        if kind == "text":
-            return cls("text", (text_column,))
-        if kind == "messages":
-            return cls("messages", (messages_column,))
-        return cls("prompt_completion", (prompt_column, completion_column))
+        return cls(kinds[0], tuple(given[k] for k in _KIND_KEYS[kinds[0]]))
 
     @classmethod
     def of_spec(cls, name: str, spec: Mapping[str, Any]) -> "Framing":
@@ -115,8 +111,7 @@ class Framing:
     @property
     def column_keys(self) -> tuple[str, ...]:
         """The names of the settings that hold `columns` (text_column, ... in the same order)."""
-        return {"text": ("text_column",), "messages": ("messages_column",),
-                "prompt_completion": ("prompt_column", "completion_column")}[self.kind]
+        return _KIND_KEYS[self.kind]
 
 
 # ---------------------------------------------------------------- checking examples

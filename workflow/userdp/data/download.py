@@ -37,13 +37,10 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 
 
-def sha256_file(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> str:
+def sha256_file(path: str | os.PathLike) -> str:
     """Hex SHA-256 of a file, read in chunks."""
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(chunk_bytes):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _content_range_start(header: str | None) -> int | None:
@@ -135,12 +132,10 @@ def download(
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
-    hasher = hashlib.sha256()
-    if part.exists():
+    state = {"hasher": hashlib.sha256()}
+    if part.exists():  # resuming: the hash starts from the bytes already there
         with open(part, "rb") as fh:
-            while chunk := fh.read(chunk_bytes):
-                hasher.update(chunk)
-    state = {"hasher": hasher}
+            state["hasher"] = hashlib.file_digest(fh, "sha256")
     attempt = 0
     while True:
         try:

@@ -25,6 +25,7 @@ page costs an index seek rather than an OFFSET scan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 from pathlib import Path
@@ -60,14 +61,11 @@ def check_tff_sqlite(path: Path) -> None:
     if not path.is_file():
         raise DataError(f"{path} does not exist; check datasets.<name>.path or rerun the download.")
     try:
-        con = _connect_ro(path)
-        try:
+        with contextlib.closing(_connect_ro(path)) as con:
             tables = {
                 name: {row[1] for row in con.execute(f"PRAGMA table_info({name})")}
                 for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
             }
-        finally:
-            con.close()
     except sqlite3.DatabaseError as exc:
         raise DataError(
             f"{path} is not a readable SQLite database ({exc}); expected the TFF Stack Overflow "
@@ -194,11 +192,8 @@ class StackOverflowSource(NoPublicPart):
         if not path.is_file():
             return None
         try:
-            con = _connect_ro(path)
-            try:
+            with contextlib.closing(_connect_ro(path)) as con:
                 return self._expected_rows(con)
-            finally:
-                con.close()
         except sqlite3.DatabaseError:
             return None
 

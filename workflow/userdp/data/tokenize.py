@@ -87,19 +87,14 @@ def public_dataset_name(config: dict) -> str | None:
     return None
 
 
-def _iter_texts(path: Path, batch_rows: int) -> Iterator[list[str]]:
-    pf = streaming_parquet(path)
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=["text"]):
-        yield batch.column("text").to_pylist()
-
-
 def train_bpe(public_path: str | Path, vocab_size: int, out_dir: str | Path, batch_rows: int = 10_000, min_frequency: int = 2) -> dict:
     """Train a byte-level BPE on the public texts in `public_path`; save it in `out_dir`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     clear_stale(out_dir)
     public_path = Path(public_path)
-    n_texts = streaming_parquet(public_path).metadata.num_rows
+    pf = streaming_parquet(public_path)
+    n_texts = pf.metadata.num_rows
     if n_texts == 0:
         raise DataError(f"{public_path}: no public text to train the tokenizer on.")
     tok = Tokenizer(models.BPE())
@@ -112,8 +107,8 @@ def train_bpe(public_path: str | Path, vocab_size: int, out_dir: str | Path, bat
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    batches = (t for texts in _iter_texts(public_path, batch_rows) for t in texts)
-    tok.train_from_iterator(batches, trainer=trainer, length=n_texts)
+    texts = (t for b in pf.iter_batches(batch_size=batch_rows, columns=["text"]) for t in b.column("text").to_pylist())
+    tok.train_from_iterator(texts, trainer=trainer, length=n_texts)
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
