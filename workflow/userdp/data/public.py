@@ -46,7 +46,7 @@ import pyarrow as pa
 from ..errors import ConfigError, DataError
 from ..io import ParquetBatchWriter
 from .base import PUBLIC_SCHEMA
-from .spec_keys import check_nested_keys
+from .spec_keys import check_nested_keys, max_examples
 from .tables import TableFile, as_text
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,7 @@ def check_public_spec(name: str, public: Any) -> dict:
         for key in ("format", "separator"):
             if public.get(key) is not None:
                 raise ConfigError(f"{where}.{key} is only used with {where}.path; remove it (hub_name is set).")
-    cap = public.get("max_examples")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ConfigError(f"{where}.max_examples is {cap!r}; it must be an integer >= 1 or null.")
+    cap = max_examples(f"{name}.public", public)
     return {
         "path": public.get("path"),
         "hub_name": public.get("hub_name"),
