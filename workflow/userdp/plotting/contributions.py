@@ -51,21 +51,13 @@ def plot_contributions(stats_path: str | Path, png: str | Path, pdf: str | Path 
         q99 = stats.get("quantiles_train", {}).get("0.99")
         if q99 is not None:
             ax.axvline(float(q99), color="#DD8452", lw=1.5, ls="--", label=f"99th percentile = {float(q99):g}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.set_xlim(0.7, edges[-1])  # a median of 1 must not sit on the axis
-        ax.set_ylim(0.8, counts.max() * 2)
-        ax.legend(framealpha=0.9, loc="upper right")
+        _log_axes(ax, edges[-1], counts.max() * 2)
     else:
         ax.text(0.5, 0.5, "no train users", ha="center", va="center", transform=ax.transAxes)
     n_users = stats.get("n_users", {}).get("train", 0)
     n_ex = stats.get("n_examples", {}).get("train", 0)
-    ax.set_xlabel("examples per user (log2 bins)")
-    ax.set_ylabel("number of users")
-    ax.set_title(f"Contributions per user: {dataset}\n{n_users:,} train users, {n_ex:,} examples")
-    ax.grid(True, which="major", alpha=0.3)
-    _save(fig, png, pdf)
+    _finish(fig, ax, "number of users",
+            f"Contributions per user: {dataset}\n{n_users:,} train users, {n_ex:,} examples", png, pdf)
 
 
 def _plot_release(stats: dict, release: str | Path, png: str | Path, pdf: str | Path | None, dataset: str) -> None:
@@ -87,23 +79,28 @@ def _plot_release(stats: dict, release: str | Path, png: str | Path, pdf: str | 
         med, q99 = hist.median_group_size(), hist.quantile(0.99)
         ax.axvline(med, color="#C44E52", lw=2, label=f"noisy median bin from {med:g}")
         ax.axvline(q99, color="#DD8452", lw=1.5, ls="--", label=f"noisy 99th percentile bin from {q99:g}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.set_xlim(0.7, edges[last] * 2)
-        ax.set_ylim(0.8, weights.max() * 2)
-        ax.legend(framealpha=0.9, loc="upper right")
+        _log_axes(ax, edges[last] * 2, weights.max() * 2)
     else:
         ax.text(0.5, 0.5, "empty noisy histogram", ha="center", va="center", transform=ax.transAxes)
     n_users = stats.get("n_users", {}).get("train", 0)
+    _finish(fig, ax, "number of users (noisy)", f"Contributions per user: {dataset}\n{n_users:,} train users; DP "
+            f"histogram, \u03b5_stats = {hist.epsilon:g}", png, pdf)
+
+
+def _log_axes(ax, x_max: float, y_max: float) -> None:
+    """Log2 x axis (plain numbers) from below 1, log y axis from below 1, and the legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.set_xlim(0.7, x_max)  # a median of 1 must not sit on the axis
+    ax.set_ylim(0.8, y_max)
+    ax.legend(framealpha=0.9, loc="upper right")
+
+
+def _finish(fig, ax, ylabel: str, title: str, png: str | Path, pdf: str | Path | None) -> None:
     ax.set_xlabel("examples per user (log2 bins)")
-    ax.set_ylabel("number of users (noisy)")
-    ax.set_title(f"Contributions per user: {dataset}\n{n_users:,} train users; DP histogram, "
-                 f"\u03b5_stats = {hist.epsilon:g}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="major", alpha=0.3)
-    _save(fig, png, pdf)
-
-
-def _save(fig, png: str | Path, pdf: str | Path | None) -> None:
     fig.tight_layout()
     save_figure(fig, png, *([pdf] if pdf else []))
