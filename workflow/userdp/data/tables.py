@@ -119,16 +119,12 @@ def find_bad_utf8(fh: IO[bytes], chunk_bytes: int = 1 << 20) -> tuple[int, int] 
         lines += chunk.count(b"\n")
 
 
+#: JSON value types as messages name them, bool before int (a bool is an int); any other value is "an object"
+_JSON_KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"))
+
+
 def _json_kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "a list" if isinstance(value, list) else "an object"
+    return next((kind for t, kind in _JSON_KINDS if isinstance(value, t)), "an object")
 
 
 _ARROW_TYPE = {"a boolean": pa.bool_(), "an integer": pa.int64(), "a number": pa.float64(), "a string": pa.string()}
