@@ -279,11 +279,11 @@ class TopicModels:
         # Collocations: per topic, every noun has a preferred adjective and verb.
         n_nouns = self.size["N"]
         self.colloc = {
-            cat: np.stack([self._sample_cat(rng, cat, np.full(n_nouns, k)) for k in range(n_topics)])
+            cat: np.stack([self.sample_cat(rng, cat, np.full(n_nouns, k)) for k in range(n_topics)])
             for cat in ("A", "V")
         }  # (K, n_nouns) -> index within category
 
-    def _sample_cat(self, rng: np.random.Generator, cat: str, topics: np.ndarray) -> np.ndarray:
+    def sample_cat(self, rng: np.random.Generator, cat: str, topics: np.ndarray) -> np.ndarray:
         """Draw one word index (within category) per entry of `topics`, vectorised."""
         cdf = self.cdf[cat]
         k, v = cdf.shape
@@ -351,7 +351,7 @@ def _generate_texts(
         r, col = rows[sel], cols[sel]
         cat = _CATS[c]
         if cat in ("N", "V", "A"):
-            w = models._sample_cat(rng, cat, s_topic[r])
+            w = models.sample_cat(rng, cat, s_topic[r])
             if cat in ("V", "A"):
                 h = head[r, col]
                 attach = (h >= 0) & (rng.random(len(r)) < collocation_prob)
