@@ -29,14 +29,12 @@ def test_gdp_delta_matches_the_gaussian_mechanism_by_integration(mu, eps):
     assert audit_stats.gdp_delta(mu, eps) == pytest.approx(numeric, rel=1e-5, abs=1e-12)
 
 
-def test_gdp_mu_and_epsilon_invert_each_other():
+def test_gdp_mu_inverts_gdp_delta():
     for eps, delta in ((0.5, 1e-5), (1.0, 1e-6), (8.0, 2.4e-5), (3.0, 1.3e-3)):
         mu = audit_stats.gdp_mu(eps, delta)
         assert audit_stats.gdp_delta(mu, eps) == pytest.approx(delta, rel=1e-6)
-        assert audit_stats.gdp_epsilon(mu, delta) == pytest.approx(eps, rel=1e-6, abs=1e-9)
     # more privacy (smaller mu) at a fixed delta is a smaller epsilon
     assert audit_stats.gdp_mu(1.0, 1e-5) < audit_stats.gdp_mu(2.0, 1e-5)
-    assert audit_stats.gdp_epsilon(0.01, 1e-2) == 0.0  # delta(0) of a tiny mu is already below 1e-2
 
 
 def test_fdp_rejection_is_monotone_and_needs_evidence():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import scipy.stats
@@ -51,14 +51,21 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, level: float = 0.0
         raise ValueError(f"level must be in (0, 1), got {level}")
     if p_value(m, r, v, 0.0, delta) >= level:
         return 0.0
+    # the cap cannot be reached for r >= 1 (p -> 1 as epsilon grows); it guards against a bad input
+    return _largest_rejected(lambda eps: p_value(m, r, v, eps, delta) < level, 1e4, tol)
+
+
+def _largest_rejected(rejects: Callable[[float], bool], cap: float, tol: float) -> float:
+    """The largest epsilon that `rejects` (which holds at 0 and flips once), rounded down to `tol`: the bracket
+    doubles from [0, 1] (giving up at `cap`), then a bisection."""
     lo, hi = 0.0, 1.0
-    while p_value(m, r, v, hi, delta) < level:
+    while rejects(hi):
         lo, hi = hi, 2.0 * hi
-        if hi > 1e4:  # cannot happen for r >= 1 (p -> 1 as epsilon grows); guard against a bad input
+        if hi > cap:
             return lo
     while hi - lo > tol:
         mid = 0.5 * (lo + hi)
-        if p_value(m, r, v, mid, delta) < level:
+        if rejects(mid):
             lo = mid
         else:
             hi = mid
@@ -94,24 +101,6 @@ def gdp_mu(epsilon: float, delta: float) -> float:
         else:
             hi = mid
         if hi - lo <= 1e-12 * hi:
-            break
-    return hi
-
-
-def gdp_epsilon(mu: float, delta: float) -> float:
-    """The epsilon of mu-GDP at delta (0 when delta(0) <= delta); gdp_delta falls with epsilon."""
-    if gdp_delta(mu, 0.0) <= delta:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    while gdp_delta(mu, hi) > delta:
-        lo, hi = hi, 2.0 * hi
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if gdp_delta(mu, mid) > delta:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-12 * max(hi, 1.0):
             break
     return hi
 
@@ -157,18 +146,7 @@ def epsilon_lower_bound_fdp(m: int, r: int, v: int, delta: float, level: float =
         raise ValueError(f"level must be in (0, 1), got {level}")
     if v == 0 or not fdp_rejects(gdp_mu(0.0, delta), m, r, v, level):
         return 0.0
-    lo, hi = 0.0, 1.0
-    while fdp_rejects(gdp_mu(hi, delta), m, r, v, level):
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e3:
-            return lo
-    while hi - lo > tol:
-        mid = 0.5 * (lo + hi)
-        if fdp_rejects(gdp_mu(mid, delta), m, r, v, level):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _largest_rejected(lambda eps: fdp_rejects(gdp_mu(eps, delta), m, r, v, level), 1e3, tol)
 
 
 #: The one-run estimators: result-key suffix -> the bound of v correct guesses of r.
