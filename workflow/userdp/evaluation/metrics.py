@@ -42,7 +42,6 @@ from .targets import EVAL_SPLITS, USER_SCORE_COLUMNS
 log = logging.getLogger(__name__)
 
 TOKENS_COLUMNS = ("user_id", "split", "input_ids")
-METRIC_NAMES = ("loss", "loss_user_macro", "perplexity", "accuracy", "n_tokens", "n_examples", "n_users")
 
 
 @dataclass(frozen=True)

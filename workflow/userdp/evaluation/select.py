@@ -34,26 +34,12 @@ from ..training.model_card import write_card
 from ..training.ledger import MECHANISM_FIELDS, guarantee_epsilon, run_event
 from ..layout import RUN_MODEL, fmt_num
 from ..privacy.selection import Selection
+from .targets import METRIC_NAMES
 
 log = logging.getLogger(__name__)
 
 # Fields of eval.json copied to metrics.json (the artifact contract plus counts).
-REPORTED = (
-    "test_loss",
-    "test_loss_user_macro",
-    "test_perplexity",
-    "test_accuracy",
-    "test_n_tokens",
-    "test_n_examples",
-    "test_n_users",
-    "validation_loss",
-    "validation_loss_user_macro",
-    "validation_perplexity",
-    "validation_accuracy",
-    "validation_n_tokens",
-    "validation_n_examples",
-    "validation_n_users",
-)
+REPORTED = tuple(f"{split}_{name}" for split in ("test", "validation") for name in METRIC_NAMES)
 
 
 def _as_float(x: object) -> float:

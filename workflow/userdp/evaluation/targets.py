@@ -26,6 +26,9 @@ EVAL_SPLITS = ("validation", "test")
 #: docs/artifacts.md). Here, not in metrics.py, so that readers of the artifact (groups) need no torch.
 USER_SCORE_COLUMNS = ("user_id", "nll", "n_tokens", "n_examples", "loss")
 
+#: The metrics of one scored split (`metrics.summarise`), eval.json's `{split}_{name}` fields.
+METRIC_NAMES = ("loss", "loss_user_macro", "perplexity", "accuracy", "n_tokens", "n_examples", "n_users")
+
 
 def evaluated_splits(config: Mapping, *, selects: bool) -> list[str]:
     """The splits an evaluation scores (in its rule's params, so changing the choice reruns it).
