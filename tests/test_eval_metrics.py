@@ -9,7 +9,7 @@ from eval_builders import tiny_gpt2, tokens_table
 from userdp.errors import DataError
 from userdp.evaluation.metrics import (
     choose_users,
-    evaluate_model,
+    evaluate_models,
     evaluate_set,
     load_eval_set,
 )
@@ -122,23 +122,21 @@ def test_user_cap_is_seeded_and_exact():
 
 def test_evaluate_model_end_to_end(data):
     d, df, _ = data
-    out = evaluate_model(d / "model", d / "tokens.parquet", dataset="toy", root_seed=0, max_users=2,
-                         batch_size=4, device="cpu")
+    [out] = evaluate_models([d / "model"], d / "tokens.parquet", dataset="toy", root_seed=0, max_users=2,
+                            batch_size=4, device="cpu")
     for split in ("validation", "test"):
         assert out[f"{split}_n_users"] == 2
         assert 0 < out[f"{split}_loss"] < 10
         assert 0 <= out[f"{split}_accuracy"] <= 1
-    again = evaluate_model(d / "model", d / "tokens.parquet", dataset="toy", root_seed=0, max_users=2,
-                           batch_size=1, device="cpu")
+    [again] = evaluate_models([d / "model"], d / "tokens.parquet", dataset="toy", root_seed=0, max_users=2,
+                              batch_size=1, device="cpu")
     assert again["test_loss"] == pytest.approx(out["test_loss"], rel=1e-6)
     with pytest.raises(DataError, match="config.json"):
-        evaluate_model(d / "missing", d / "tokens.parquet", dataset="toy", root_seed=0, max_users=2,
-                       batch_size=4, device="cpu")
+        evaluate_models([d / "missing"], d / "tokens.parquet", dataset="toy", root_seed=0, max_users=2,
+                        batch_size=4, device="cpu")
 
 
 def test_test_split_only_scores_the_same_users_and_no_validation(data):
-    from userdp.evaluation.metrics import evaluate_models
-
     d, _, _ = data
     opts = dict(dataset="toy", root_seed=0, max_users=2, batch_size=4, device="cpu")
     both = evaluate_models([d / "model"], d / "tokens.parquet", **opts)[0]

@@ -223,16 +223,6 @@ def evaluate_set(model: torch.nn.Module, eval_set: EvalSet, batch_size: int, dev
     return metrics
 
 
-def evaluate_model(model_path: str | os.PathLike, tokens_path: str | os.PathLike, **options) -> dict:
-    """Validation and test metrics of the model at `model_path`, as flat `{split}_{metric}` fields.
-
-    `options` are `evaluate_models`'s (dataset, root_seed, max_users, batch_size, device, local_model, splits). The
-    users are a seeded choice that depends on the config seed, the dataset and the split only, so every run
-    and the pretrained model are evaluated on the same users (paired comparisons).
-    """
-    return evaluate_models([model_path], tokens_path, **options)[0]
-
-
 def evaluate_models(
     model_paths: Sequence[str | os.PathLike],
     tokens_path: str | os.PathLike,
@@ -246,10 +236,12 @@ def evaluate_models(
     splits: Sequence[str] = EVAL_SPLITS,
     users_out: Sequence[str | os.PathLike | None] | None = None,
 ) -> list[dict]:
-    """`evaluate_model` of each model in turn (a fine-tuning job's runs: its cell's learning rates).
+    """Validation and test metrics of each model in turn (a fine-tuning job's runs: its cell's learning rates), as
+    flat `{split}_{metric}` fields.
 
-    The evaluation users and their rows are read once and shared: every model
-    sees exactly the sets `evaluate_model` would give it alone. `splits` are the held-out splits scored
+    The users are a seeded choice that depends on the config seed, the dataset and the split only, so every run
+    and the pretrained model are evaluated on the same users (paired comparisons); they and their rows are read
+    once and shared, so each model sees exactly the sets it would alone. `splits` are the held-out splits scored
     (userdp.evaluation.targets.evaluated_splits), each on the same users whichever others are scored.
     `users_out`, if given, holds one path (or None) per model: that model's per-user scores on the TEST users
     (`per_user_scores`) are written there (eval_users.parquet; test users only, never validation users).
