@@ -78,7 +78,7 @@ from scipy import special, stats
 
 from ..privacy.adaptive import ADAPTIVE, AdaptiveClipping, of_config
 from ..privacy.banded import marginal_std_factors, whiten
-from .audit_stats import correct_guesses, epsilon_lower_bound, epsilon_lower_bound_fdp, guess_sets
+from .audit_stats import ESTIMATORS, correct_guesses, epsilon_lower_bound, guess_sets
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +206,15 @@ def _amp3(amp: np.ndarray) -> np.ndarray:
     return amp[:, None, None] if amp.ndim == 1 else amp[:, :, None]
 
 
-def _log_mix(y: np.ndarray, amp: np.ndarray, k: np.ndarray, pk: np.ndarray, sigma: float) -> np.ndarray:
-    """log sum_k P(k) exp((k a y - (k a)^2 / 2) / sigma^2) for y [m, T] and amplitude a [m] or [m, T]."""
+def _log_terms(y: np.ndarray, amp: np.ndarray, k: np.ndarray, pk: np.ndarray, sigma: float) -> np.ndarray:
+    """[m, T, K]: log P(k) + (k a y - (k a)^2 / 2) / sigma^2 for y [m, T] and amplitude a [m] or [m, T]."""
     ka = _amp3(amp) * k[None, None, :]  # [m, 1 or T, K]
-    z = (ka * y[:, :, None] - 0.5 * ka ** 2) / sigma ** 2 + np.log(np.maximum(pk, 1e-300))[None, None, :]
-    return special.logsumexp(z, axis=2)
+    return (ka * y[:, :, None] - 0.5 * ka ** 2) / sigma ** 2 + np.log(np.maximum(pk, 1e-300))[None, None, :]
+
+
+def _log_mix(y: np.ndarray, amp: np.ndarray, k: np.ndarray, pk: np.ndarray, sigma: float) -> np.ndarray:
+    """log sum_k P(k) exp((k a y - (k a)^2 / 2) / sigma^2): the log-likelihood ratio of each y [m, T]."""
+    return special.logsumexp(_log_terms(y, amp, k, pk, sigma), axis=2)
 
 
 def likelihood_ratio_scores(y: np.ndarray, amp: np.ndarray, k: np.ndarray, pk: np.ndarray, sigma: float) -> np.ndarray:
@@ -242,8 +246,7 @@ def count_aware_scores(y: np.ndarray, counts: np.ndarray, amp: np.ndarray, k: np
         return likelihood_ratio_scores(y, amp, k, pk, sigma)
     lk = np.full((m, T, K), -np.inf)
     kk = k.astype(int)
-    ka = _amp3(amp) * k[None, None, :]
-    lterms = (ka * y[:, :, None] - 0.5 * ka ** 2) / sigma ** 2 + np.log(np.maximum(pk, 1e-300))[None, None, :]
+    lterms = _log_terms(y, amp, k, pk, sigma)
     for j, kv in enumerate(kk):  # included: P(k) L(k) at degree k
         if kv < K:
             lk[:, :, kv] = np.logaddexp(lk[:, :, kv], lterms[:, :, j])
@@ -292,7 +295,7 @@ def count_aware_scores(y: np.ndarray, counts: np.ndarray, amp: np.ndarray, k: np
 def _estimators(gaussian: bool) -> dict[str, Callable[..., float]]:
     """The one-run estimators an audit applies: the (epsilon, delta) bound always, the f-DP (Gaussian) bound
     where each canary's release is exactly a Gaussian mechanism (`gaussian_release`)."""
-    return {"": epsilon_lower_bound, "_fdp": epsilon_lower_bound_fdp} if gaussian else {"": epsilon_lower_bound}
+    return dict(ESTIMATORS) if gaussian else {"": epsilon_lower_bound}
 
 
 def gaussian_release(sampling_rate: float) -> bool:
@@ -513,6 +516,7 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
     """
     import torch
 
+    from ..layout import fmt_num
     from ..training import optim, run_seeds
     from ..training.pool import build_pool
     from ..training.private import PrivateTraining
@@ -549,7 +553,7 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
             counts.append((float(o.clip_norm), float(o.released_count),
                            float(np.sum(n <= o.clip_norm) - 0.5 * n.size)))
 
-    seeds = run_seeds.run_seeds(int(setup.seed), 0, "mechanism-audit", setup.method, fmt(setup.epsilon), 0,
+    seeds = run_seeds.run_seeds(int(setup.seed), 0, "mechanism-audit", setup.method, fmt_num(float(setup.epsilon)), 0,
                              setup.group_size)
     # The audit drives the core userdp.make_private returns (PrivateTraining: engine.setup + the engine's step),
     # with the config's optimizer and schedule at learning rate 0; nothing is written.
@@ -586,12 +590,6 @@ def canary_partitions(setup: CellSetup, sampler_seed: int) -> np.ndarray:
 
     ids = [f"canary{i:06d}" for i in range(setup.canaries)]
     return CyclicPoissonSampler(ids, float(setup.sampling_rate), sampler_seed, setup.bands).partitions
-
-
-def fmt(x: float) -> str:
-    from ..layout import fmt_num
-
-    return fmt_num(float(x))
 
 
 def noise_checks(setup: CellSetup, sigma: float, run: Mapping[str, Any]) -> dict[str, Any]:
@@ -796,22 +794,18 @@ def select_cells(params: Mapping[str, Any], method: str | None = None, epsilon: 
     if epsilon is not None and not any(math.isclose(float(epsilon), e, rel_tol=1e-9) for e in epsilons):
         raise ConfigError(f"epsilon {epsilon:g} is not audited: the audit's epsilons (audit.epsilons, or "
                           f"grid.epsilons when it is null) are {[float(e) for e in epsilons]}. Give one of them.")
-    out = []
-    for m in methods:
-        for e in epsilons:
-            if (method is None or m == method) and (epsilon is None or math.isclose(float(epsilon), e,
-                                                                                     rel_tol=1e-9)):
-                out.append(CellSetup(
-                    method=m, epsilon=e, canaries=int(params["canaries"]), group_size=int(params["group_size"]),
-                    sampling_rate=float(params["sampling_rate"]), steps=int(params["steps"]),
-                    delta=float(params["delta"]), clip_norm=float(params["clip_norm"]),
-                    other_users=int(params["other_users"]), example_length=int(params["example_length"]),
-                    clipping=params["clipping"], confidence=float(params["confidence"]),
-                    guess_fractions=tuple(params["guess_fractions"]), seed=int(params["seed"]),
-                    processes=int(params["processes"]), physical_batch_size=int(params["physical_batch_size"]),
-                    adaptive=None if params.get("adaptive") is None else AdaptiveClipping.from_record(
-                        params["adaptive"]), bands=int(params.get("bands", 1)) if m == "uls" else 1))
-    return out
+    return [CellSetup(
+        method=m, epsilon=e, canaries=int(params["canaries"]), group_size=int(params["group_size"]),
+        sampling_rate=float(params["sampling_rate"]), steps=int(params["steps"]),
+        delta=float(params["delta"]), clip_norm=float(params["clip_norm"]),
+        other_users=int(params["other_users"]), example_length=int(params["example_length"]),
+        clipping=params["clipping"], confidence=float(params["confidence"]),
+        guess_fractions=tuple(params["guess_fractions"]), seed=int(params["seed"]),
+        processes=int(params["processes"]), physical_batch_size=int(params["physical_batch_size"]),
+        adaptive=None if params.get("adaptive") is None else AdaptiveClipping.from_record(
+            params["adaptive"]), bands=int(params.get("bands", 1)) if m == "uls" else 1)
+        for m in methods for e in epsilons
+        if (method is None or m == method) and (epsilon is None or math.isclose(float(epsilon), e, rel_tol=1e-9))]
 
 
 def run_audit(params: Mapping[str, Any], dataset: str = "", *, method: str | None = None,
@@ -850,20 +844,16 @@ def run_audit(params: Mapping[str, Any], dataset: str = "", *, method: str | Non
     return rows
 
 
-def table(rows: Sequence[Mapping[str, Any]]):
-    """mechanism.csv's frame: COLUMNS first (in order), then any other field of the rows."""
+def write_table(rows: Sequence[Mapping[str, Any]], path: str | Path) -> None:
+    """mechanism.csv: COLUMNS first (in order), then any other field of the rows."""
     import pandas as pd
 
-    df = pd.DataFrame([dict(r) for r in rows])
-    extra = [c for c in df.columns if c not in COLUMNS]
-    return df.reindex(columns=list(COLUMNS) + extra)
-
-
-def write_table(rows: Sequence[Mapping[str, Any]], path: str | Path) -> None:
     from ..io import atomic_path
 
+    df = pd.DataFrame([dict(r) for r in rows])
+    df = df.reindex(columns=list(COLUMNS) + [c for c in df.columns if c not in COLUMNS])
     with atomic_path(path) as tmp:
-        table(rows).to_csv(tmp, index=False)
+        df.to_csv(tmp, index=False)
 
 
 def _worker(argv: Sequence[str] | None = None) -> None:
