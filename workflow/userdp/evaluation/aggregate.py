@@ -58,13 +58,6 @@ SEEDS_COLUMNS = ["seeds_mode", "guarantee_caveat"]
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
 
 
-def _scalar(v: Any) -> Any:
-    # write_json stores non-finite floats as strings; give them back as floats.
-    if isinstance(v, str) and v in _NONFINITE:
-        return _NONFINITE[v]
-    return v
-
-
 def _events_as_text(record: Mapping[str, Any]) -> dict[str, Any]:
     """`record` with its dp-accounting event (`dp_event`) as one JSON-text value instead of nested columns."""
     out = dict(record)
@@ -82,8 +75,8 @@ def flatten(obj: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[st
             out.update(flatten(v, key + sep, sep))
         elif isinstance(v, (list, tuple, Mapping)):
             out[key] = json.dumps(v)
-        else:
-            out[key] = _scalar(v)
+        else:  # write_json stores non-finite floats as strings; give them back as floats
+            out[key] = _NONFINITE.get(v, v) if isinstance(v, str) else v
     return out
 
 

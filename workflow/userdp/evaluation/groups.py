@@ -444,15 +444,11 @@ def claim_effects(model: CostModel, dataset: str, group_size: int | None) -> dic
 
 
 # ------------------------------------------------------------------ the job
-def write_csv(path: str | os.PathLike, df: pd.DataFrame) -> None:
-    from .aggregate import write_csv as _write_csv
-
-    _write_csv(path, df)
-
-
 def run(dataset: str, cell_files: Sequence[str], pretrained_file: str, labels_file: str | None,
         summary_file: str, settings: Settings, out_users: str, out_parquet: str, out_csv: str) -> pd.DataFrame:
     """Rule groups: the per-user table and the group table of one dataset (every input read before any output)."""
+    from .aggregate import write_csv
+
     labels = read_frame(labels_file) if labels_file else None
     summary = read_frame(summary_file)
     users, info = build_users(dataset, cell_files, pretrained_file, labels, summary, settings)
