@@ -31,14 +31,10 @@ SUMMARY_COLUMNS = (
 )
 
 
-_FLOAT_COLUMNS = ("epsilon_target", "epsilon_claimed", "delta", "noise_multiplier", "sampling_rate",
-                  "epsilon_lower_bound", "epsilon_lower_bound_ceiling", "confidence", "loss_auc",
-                  "loss_tpr_at_1pct_fpr", "loss_epsilon_lower_bound",
-                  "likelihood_ratio_auc", "likelihood_ratio_tpr_at_1pct_fpr", "likelihood_ratio_epsilon_lower_bound",
-                  "epsilon_lower_bound_fdp", "epsilon_lower_bound_fdp_ceiling", "loss_epsilon_lower_bound_fdp",
-                  "likelihood_ratio_epsilon_lower_bound_fdp", "epsilon_claimed_run", "delta_run", "exposure_max",
-                  "exposure_included_mean", "exposure_excluded_mean", "extraction_rate_included",
-                  "extraction_rate_excluded", "extraction_token_accuracy_included")
+#: The columns that are not floats (texts, counts, flags); every other summary column is made a float.
+_NOT_FLOAT = ("dataset", "method", "budget", "steps", "seed", "group_size", "canaries", "canaries_included",
+              "bound_exceeds_claim", "canary_design", "prefix_length", "secret_length", "exposure_candidates",
+              "fdp_bound_exceeds_claim")
 
 
 def bound_exceeds_claim(result: Mapping) -> bool:
@@ -64,7 +60,7 @@ def summary_rows(results: Sequence[Mapping]) -> "pd.DataFrame":
 
     rows = [{k: r.get(k) for k in SUMMARY_COLUMNS} for r in results]
     df = pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
-    for col in _FLOAT_COLUMNS:  # JSON writes inf as the string "inf"
+    for col in (c for c in SUMMARY_COLUMNS if c not in _NOT_FLOAT):  # JSON writes inf as the string "inf"
         df[col] = [math.nan if v is None else float(v) for v in df[col]]
     for col in ("bound_exceeds_claim", "fdp_bound_exceeds_claim"):
         df[col] = df[col].fillna(False).astype(bool)
