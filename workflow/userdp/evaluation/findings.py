@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -205,15 +205,11 @@ def _method_claims(grid: Grid, domain: str, axis: str, diversity: Mapping, unit:
         return [_not_measured(i, domain, why) for i in (1, 2, 3, 4)]
     e0, k_lo, k_hi = eps[0], budgets[0], budgets[-1]
 
-    def where_txt(**w: Any) -> str:
-        return ", ".join(f"{k} = {_fmt(v) if isinstance(v, float) else v}" for k, v in w.items())
-
     # 1: ULS - ELS at the smallest epsilon and the largest budget, averaged over the axis (datasets / diversity).
-    terms = [t for u in units for t in (_diff(grid, epsilon=e0, budget=k_hi, **{axis: u}) or [])]
-    n_units = sum(1 for u in units if _diff(grid, epsilon=e0, budget=k_hi, **{axis: u}))
-    if n_units:
-        out.append(_finding(1, domain, _scaled(terms, 1 / n_units), "<", unit,
-                            where_txt(epsilon=e0, budget=k_hi) + f", mean over {n_units} {axis} value(s)",
+    pairs = [d for u in units if (d := _diff(grid, epsilon=e0, budget=k_hi, **{axis: u}))]
+    if pairs:
+        out.append(_finding(1, domain, _scaled([t for d in pairs for t in d], 1 / len(pairs)), "<", unit,
+                            f"epsilon = {_fmt(e0)}, budget = {k_hi}, mean over {len(pairs)} {axis} value(s)",
                             figures["budget"], detail="effect = ULS - ELS"))
     else:
         out.append(_not_measured(1, domain, f"no ELS/ULS pair at epsilon {e0}, budget {k_hi}"))
