@@ -364,26 +364,14 @@ def run_study(
     return report.reset_index(drop=True), sweep
 
 
-def summarise(results: pd.DataFrame, chosen_only: bool = True) -> pd.DataFrame:
-    """Mean and standard error of the squared error per (method, eps, budget, s[, G])."""
-    df = results[results["chosen"]] if chosen_only else results
-    keys = ["method", "epsilon", "compute_budget", "diversity"] + ([] if chosen_only else ["group_size"])
-    g = df.groupby(keys)["squared_error"]
-    out = g.agg(["mean", "count"]).rename(columns={"mean": "mean_error"})
-    out["sem"] = g.std(ddof=1).fillna(0.0) / np.sqrt(out["count"])
-    if chosen_only:
-        out["group_size"] = df.groupby(keys)["group_size"].first()
-    return out.reset_index()
-
-
 def uls_over_els(results: pd.DataFrame) -> pd.DataFrame:
     """Ratio of mean errors ULS / ELS (chosen G each) per (eps, budget, s): < 1 means ULS wins."""
-    s = summarise(results).pivot_table(index=["epsilon", "compute_budget", "diversity"], columns="method",
-                                       values="mean_error")
+    s = results[results["chosen"]].pivot_table(index=["epsilon", "compute_budget", "diversity"], columns="method",
+                                               values="squared_error")
     s["uls_over_els"] = s["uls"] / s["els"]
     return s.reset_index()
 
 
 __all__ = [
-    "MeanEstimationSpec", "plan_calibrations", "calibrate_cells", "run_study", "summarise", "uls_over_els",
+    "MeanEstimationSpec", "plan_calibrations", "calibrate_cells", "run_study", "uls_over_els",
 ]

@@ -57,10 +57,6 @@ class BoundedPool:
     def pool_size(self) -> int:
         return int(self.kept.sum())
 
-    @property
-    def mean_kept(self) -> float:
-        return float(self.kept.mean())
-
 
 class Population:
     """One replicate of the synthetic users (mu, user offsets, example noise).

@@ -40,13 +40,11 @@ def poisson_indices(rng: np.random.Generator, n: int, rate: float) -> np.ndarray
         return np.arange(n, dtype=np.int64)
     mean = n * rate
     chunk = int(mean + 6.0 * math.sqrt(mean) + 16)
-    positions = np.cumsum(rng.geometric(rate, size=chunk)) - 1
-    parts = [positions]
+    parts = [np.cumsum(rng.geometric(rate, size=chunk)) - 1]
     # Rarely the chunk ends before n: continue the same process from there.
     while parts[-1][-1] < n - 1:
-        more = parts[-1][-1] + np.cumsum(rng.geometric(rate, size=chunk))
-        parts.append(more)
-    positions = np.concatenate(parts) if len(parts) > 1 else positions
+        parts.append(parts[-1][-1] + np.cumsum(rng.geometric(rate, size=chunk)))
+    positions = np.concatenate(parts)
     return positions[positions < n].astype(np.int64)
 
 
