@@ -112,13 +112,8 @@ def select(evals: Mapping[float, dict]) -> dict:
 def pretrained_metrics(evaluation: Mapping) -> dict:
     """The pretrained model's metrics.json: the same fields as a cell's, learning-rate fields null."""
     out = {k: evaluation[k] for k in REPORTED if k in evaluation}
-    out["learning_rate"] = None
-    out["selection"] = None
-    out["learning_rate_sweep"] = None
-    for k in ("evaluation", "model"):
-        if k in evaluation:
-            out[k] = evaluation[k]
-    return out
+    out.update(learning_rate=None, selection=None, learning_rate_sweep=None)
+    return out | {k: evaluation[k] for k in ("evaluation", "model") if k in evaluation}
 
 
 def copy_train_log(src: str | os.PathLike, dst: str | os.PathLike, debug_step_log: bool) -> None:
