@@ -490,19 +490,11 @@ def unit_norms(model, pool, setup: CellSetup, canary_grads: np.ndarray) -> np.nd
         name = pool.user_ids[u]
         return int(name[len("canary"):]) if name.startswith("canary") else None
 
-    if setup.method == "els":
-        rows = range(pool.n_examples)
-        return np.array([canary[c] if (c := canary_of(int(pool.example_user[r]))) is not None
-                         else float(torch.linalg.vector_norm(row_grad(r))) for r in rows])
-    out = []
-    for u in range(pool.n_users):
-        c = canary_of(u)
-        if c is not None:
-            out.append(canary[c])
-            continue
-        rows = range(int(pool.user_offsets[u]), int(pool.user_offsets[u + 1]))
-        out.append(float(torch.linalg.vector_norm(sum(row_grad(r) for r in rows) / len(rows))))
-    return np.asarray(out)
+    units = ([(int(pool.example_user[r]), [r]) for r in range(pool.n_examples)] if setup.method == "els" else
+             [(u, range(int(pool.user_offsets[u]), int(pool.user_offsets[u + 1]))) for u in range(pool.n_users)])
+    return np.array([canary[c] if (c := canary_of(u)) is not None
+                     else float(torch.linalg.vector_norm(sum(row_grad(r) for r in rows) / len(rows)))
+                     for u, rows in units])
 
 
 def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: Mapping[str, Any] | None = None,
