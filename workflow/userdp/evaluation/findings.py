@@ -46,6 +46,7 @@ from scipy import stats
 from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES
 from ..seeding import derive_seed
 from .audit_stats import auc
+from .groups import _fmt
 
 REPRODUCED = "reproduced"
 NOT_REPRODUCED = "not reproduced"
@@ -159,10 +160,6 @@ def _finding(claim_id: int, domain: str, terms, direction: str, unit: str, measu
 def _not_measured(claim_id: int, domain: str, why: str, figure: str = "", direction: str = "<") -> Finding:
     return Finding(claim_id, domain, CLAIMS[claim_id], None, None, None, direction, 0.0, NOT_MEASURED, "", "",
                    figure, why)
-
-
-def _fmt(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:g}"
 
 
 # ------------------------------------------------------------------ a generic grid of cells
