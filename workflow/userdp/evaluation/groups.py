@@ -363,6 +363,16 @@ def claim_effects(model: CostModel, dataset: str, group_size: int | None) -> dic
     seeds_txt = f"{n_seeds} seed(s)" + ("; one seed: the interval covers the choice of users only" if n_seeds == 1 else "")
     min_users = model.settings.min_users
 
+    def per_method(a: tuple[float, np.ndarray], b: tuple[float, np.ndarray], where: str, detail: str) -> list[Effect]:
+        """cost(a) - cost(b) at the largest budget for each method with both cells; a, b: (epsilon, users)."""
+        effects = []
+        for m in methods:
+            x, y = model.cost(m, a[0], k_hi, a[1]), model.cost(m, b[0], k_hi, b[1])
+            if x is not None and y is not None:
+                lo, hi = interval(x[1] - y[1])
+                effects.append(Effect(m, x[0] - y[0], lo, hi, f"{m.upper()}, {where}", detail))
+        return effects
+
     # F1: rare-topic cost - common-topic cost, per method.
     topic = dict(model.group_masks("topic"))
     if "rare" not in topic or "common" not in topic:
@@ -371,17 +381,10 @@ def claim_effects(model: CostModel, dataset: str, group_size: int | None) -> dic
         out["F1"] = (f"{dataset}: {int(topic['rare'].sum())} rare- and {int(topic['common'].sum())} common-topic "
                      f"test users; both need groups.min_users = {min_users}")
     else:
-        effects = []
-        for m in methods:
-            r, c = model.cost(m, e0, k_hi, topic["rare"]), model.cost(m, e0, k_hi, topic["common"])
-            if r is None or c is None:
-                continue
-            lo, hi = interval(r[1] - c[1])
-            effects.append(Effect(m, r[0] - c[0], lo, hi, f"{m.upper()}, {at}",
-                                  f"effect = cost(rare topic, {int(topic['rare'].sum())} users) - cost(common topic, "
-                                  f"{int(topic['common'].sum())} users); cost = loss - non-private loss; "
-                                  f"{seeds_txt}"))
-        out["F1"] = effects or f"{dataset}: no cell pair for F1"
+        out["F1"] = per_method((e0, topic["rare"]), (e0, topic["common"]), at,
+                               f"effect = cost(rare topic, {int(topic['rare'].sum())} users) - cost(common topic, "
+                               f"{int(topic['common'].sum())} users); cost = loss - non-private loss; "
+                               f"{seeds_txt}") or f"{dataset}: no cell pair for F1"
 
     # F2: cost at the smallest - at the largest epsilon, all evaluated users, per method.
     if len(eps_all) < 2:
@@ -389,16 +392,10 @@ def claim_effects(model: CostModel, dataset: str, group_size: int | None) -> dic
     else:
         e1 = eps_all[-1]
         everyone = np.ones(len(model.user_ids), dtype=bool)
-        effects = []
-        for m in methods:
-            a, b = model.cost(m, e0, k_hi, everyone), model.cost(m, e1, k_hi, everyone)
-            if a is None or b is None:
-                continue
-            lo, hi = interval(a[1] - b[1])
-            effects.append(Effect(m, a[0] - b[0], lo, hi,
-                                  f"{m.upper()}, {dataset}, epsilon {_fmt(e0)} vs {_fmt(e1)}, budget = {k_hi}",
-                                  f"effect = cost at epsilon {_fmt(e0)} - cost at {_fmt(e1)} over all "
-                                  f"{len(model.user_ids)} evaluated test users; {seeds_txt}"))
+        effects = per_method((e0, everyone), (e1, everyone),
+                             f"{dataset}, epsilon {_fmt(e0)} vs {_fmt(e1)}, budget = {k_hi}",
+                             f"effect = cost at epsilon {_fmt(e0)} - cost at {_fmt(e1)} over all "
+                             f"{len(model.user_ids)} evaluated test users; {seeds_txt}")
         out["F2"] = effects or f"{dataset}: no cell pair for F2"
 
     # F3: heavy contributors (n > G): ELS cost - ULS cost.
