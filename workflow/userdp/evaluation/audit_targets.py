@@ -45,9 +45,8 @@ def grid_delta(privacy: dict, contributions: Mapping) -> tuple[dict, str]:
     return {**privacy, "delta": delta}, f"{rule} with N = {n}, the dataset's train users (the grid cells' delta)"
 
 
-def plan_privacy(config: Mapping, method: str, eps: str) -> dict[str, Any]:
-    """The privacy params of an audit plan: those of the grid's plan rule for the same cell."""
-    return plan_targets.plan_privacy_params(config, method, eps)
+#: The privacy params of an audit plan (config, method, eps): those of the grid's plan rule for the same cell.
+plan_privacy = plan_targets.plan_privacy_params
 
 
 def reference_epsilon(config: Mapping, method: str, eps: str) -> float | None:
