@@ -88,9 +88,8 @@ def select(evals: Mapping[float, dict]) -> dict:
         log.warning("every learning rate diverged (validation losses %s); reporting the smallest rate", losses)
     chosen = evals[best]
     # validation_loss is checked above where there is a choice; one rate may have skipped validation users
-    missing = [k for k in ("test_loss",) if k not in chosen]
-    if missing:
-        raise DataError(f"eval.json of learning rate {fmt_num(best)} lacks {missing}; rerun the cell's "
+    if "test_loss" not in chosen:
+        raise DataError(f"eval.json of learning rate {fmt_num(best)} lacks ['test_loss']; rerun the cell's "
                         "fine-tuning job, which evaluates its runs (snakemake --forcerun finetune finetune_group).")
     out = {k: chosen[k] for k in REPORTED if k in chosen}
     out["learning_rate"] = best
