@@ -29,7 +29,7 @@ def _audit(sep_els: float, sep_uls: float, epsilons=(1.0, 8.0), m=400, seed=0):
         for method, sep in (("els", sep_els), ("uls", sep_uls)):
             res, frame = _cell(rng, included, sep, method, eps)
             results.append(res)
-            scores[("d", method, findings._fmt(eps))] = frame
+            scores[("d", method, fmt_num(eps))] = frame  # as findings_job keys them
     return results, scores
 
 
@@ -45,6 +45,14 @@ def test_claim_9_verdict_follows_the_paired_interval(sep_els, sep_uls, expected)
     want = np.mean([auc[("els", e)] - auc[("uls", e)] for e in (1.0, 8.0)])
     assert f.effect == pytest.approx(want)
     assert "eps 1" in f.detail and "eps 8" in f.detail and "paired bootstrap" in f.detail
+
+
+def test_claim_9_finds_the_scores_of_an_epsilon_that_general_format_would_round():
+    # the score files are keyed by the path text of the epsilon (layout.fmt_num: "0.1234567", "2500000"), which
+    # "{:g}" writes as 0.123457 and 2.5e+06
+    results, scores = _audit(1.5, 0.0, epsilons=(0.1234567, 2.5e6))
+    (f,) = findings.audit_findings(results, scores)
+    assert f.verdict == findings.REPRODUCED
 
 
 def test_claim_9_interval_narrows_with_more_canaries():
@@ -76,7 +84,7 @@ def test_findings_job_reads_the_audit_only_when_asked(tmp_path):
     results, scores = _audit(1.5, 0.0)
     cells, res_files, score_files = [], [], []
     for i, r in enumerate(results):
-        cell = [r["dataset"], r["method"], findings._fmt(r["epsilon_target"])]
+        cell = [r["dataset"], r["method"], fmt_num(r["epsilon_target"])]  # as findings_job.params writes them
         cells.append(cell)
         write_json(tmp_path / f"r{i}.json", r)
         write_parquet(tmp_path / f"s{i}.parquet", scores[tuple(cell)])

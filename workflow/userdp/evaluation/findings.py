@@ -43,6 +43,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from ..layout import fmt_num
 from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES
 from ..seeding import derive_seed
 from .audit_stats import auc
@@ -600,7 +601,7 @@ def audit_findings(results: Sequence[Mapping], scores: Mapping[tuple[str, str, s
     rng = np.random.default_rng(derive_seed(seed, "findings", "audit-bootstrap"))
     point, boot, parts = 0.0, np.zeros(AUDIT_BOOTSTRAP), []
     for d, e in pairs:
-        s_els, s_uls, inc = _paired_auc_difference(scores[(d, "els", _fmt(e))], scores[(d, "uls", _fmt(e))], key)
+        s_els, s_uls, inc = _paired_auc_difference(scores[(d, "els", fmt_num(e))], scores[(d, "uls", fmt_num(e))], key)
         diff = auc(s_els, inc) - auc(s_uls, inc)
         idx = rng.integers(0, inc.size, size=(AUDIT_BOOTSTRAP, inc.size))
         with np.errstate(invalid="ignore", divide="ignore"):  # a resample with one class only has no AUC (nan)
