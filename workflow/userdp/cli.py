@@ -27,37 +27,29 @@ from .errors import UserError
 from .io import json_text
 
 
-def _positive_float(name: str, allow_inf: bool = False):
+def _float(ok, not_a_number: str, out_of_range: str):
+    """An argparse type: the float of the text when ok(value), else the error that says which of the two failed."""
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if math.isnan(v) or v <= 0 or (math.isinf(v) and not allow_inf):
-            raise argparse.ArgumentTypeError(f"{name} must be a number > 0{' (or inf)' if allow_inf else ''}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{not_a_number}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{out_of_range}, got {text!r}")
         return v
 
     return parse
 
 
-def _rate(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"sampling rate must be a number in (0, 1], got {text!r}") from None
-    if not (0 < v <= 1):
-        raise argparse.ArgumentTypeError(f"sampling rate must be in (0, 1], got {text!r}")
-    return v
+def _positive_float(name: str, allow_inf: bool = False):
+    return _float(lambda v: v > 0 and (allow_inf or math.isfinite(v)), f"{name} must be a number",
+                  f"{name} must be a number > 0{' (or inf)' if allow_inf else ''}")
 
 
-def _delta(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"delta must be a number in (0, 1), got {text!r}") from None
-    if not (0 < v < 1):
-        raise argparse.ArgumentTypeError(f"delta must be in (0, 1), e.g. 1e-6, got {text!r}")
-    return v
+_rate = _float(lambda v: 0 < v <= 1, "sampling rate must be a number in (0, 1]", "sampling rate must be in (0, 1]")
+_delta = _float(lambda v: 0 < v < 1, "delta must be a number in (0, 1)", "delta must be in (0, 1), e.g. 1e-6")
+_noise = _float(lambda v: v >= 0 and math.isfinite(v), "noise multiplier must be a number >= 0",
+                "noise multiplier must be a finite number >= 0")
 
 
 def _int_at_least(name: str, minimum: int):
@@ -71,16 +63,6 @@ def _int_at_least(name: str, minimum: int):
         return v
 
     return parse
-
-
-def _noise(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"noise multiplier must be a number >= 0, got {text!r}") from None
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"noise multiplier must be a finite number >= 0, got {text!r}")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,16 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _checked_config(files: Sequence[str], default: str | None, overrides: dict | None = None) -> dict:
-    """The validated config of `--configfile FILES` over `default` (userdp.config.load_config_files)."""
+def _check_config(args: argparse.Namespace) -> int:
     from .config import load_config_files
 
-    return load_config_files(files, default, overrides)
-
-
-def _check_config(args: argparse.Namespace) -> int:
     try:
-        _checked_config(args.files, args.default)
+        load_config_files(args.files, args.default)
     except UserError as exc:
         print(f"userdp check-config: error: {exc}", file=sys.stderr)
         return 2
@@ -194,13 +171,15 @@ def _run(argv: Sequence[str]) -> int:
         try:
             from snakemake.cli import parse_config
 
+            from .config import load_config_files
+
             swallowed_targets(call)
             try:
                 overrides = parse_config(call.config or [])
             except ValueError as exc:
                 raise UserError(f"--config {' '.join(call.config)}: {exc}") from None
             default = "none" if call.replace_workflow_config else None
-            _checked_config([str(f) for f in call.configfile or []], default, overrides)
+            load_config_files([str(f) for f in call.configfile or []], default, overrides)
         except UserError as exc:
             print(f"userdp run: error: {exc}", file=sys.stderr)
             return 2
@@ -250,13 +229,6 @@ def _audit_mechanism(args: argparse.Namespace) -> int:
                   + ("  BOUND EXCEEDS CLAIM" if r["bound_exceeds_claim"] else "")
                   + ("  NOISE CHECK FAILED" if r["noise_check_failed"] else ""))
     return 1 if any(r["bound_exceeds_claim"] for r in rows) else 0
-
-
-def _emit(record: dict, as_json: bool, text: str) -> None:
-    if as_json:
-        print(json_text(record))
-    else:
-        print(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -312,9 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "discretization": args.discretization,
                 "selection": selection.record(),
             }
-            if extra:
-                record["contribution_stats_epsilon"] = args.stats_epsilon
-            _emit(record, args.json, f"epsilon = {eps:.6g} at delta = {args.delta:.3g}")
+            text = f"epsilon = {eps:.6g} at delta = {args.delta:.3g}"
         else:
             r = calibrate(selection.calibration_mechanism(mech), args.epsilon, args.delta, tolerance=args.tolerance,
                           max_noise_multiplier=args.max_noise_multiplier, extra_events=extra)
@@ -322,13 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             record.update(steps=args.steps, selection=selection.record())
             if args.selection != "per_run" and r.noise_multiplier > 0:
                 record["epsilon_per_run"] = mech.epsilon(r.noise_multiplier, args.delta, extra_events=extra)
-            if extra:
-                record["contribution_stats_epsilon"] = args.stats_epsilon
-            _emit(
-                record, args.json,
-                f"noise multiplier = {r.noise_multiplier:.6g} (epsilon achieved {r.epsilon_achieved:.6g} <= "
-                f"{r.epsilon:g} at delta = {r.delta:.3g})",
-            )
+            text = (f"noise multiplier = {r.noise_multiplier:.6g} (epsilon achieved {r.epsilon_achieved:.6g} <= "
+                    f"{r.epsilon:g} at delta = {r.delta:.3g})")
+        if extra:
+            record["contribution_stats_epsilon"] = args.stats_epsilon
+        print(json_text(record) if args.json else text)
     except UserError as exc:
         print(f"userdp {args.command}: error: {exc}", file=sys.stderr)
         return 2
