@@ -34,11 +34,6 @@ log = logging.getLogger("userdp.config")
 MAX_FINITE_EPSILON = 1e15
 
 
-def load_schema() -> dict:
-    """The config schema, parsed (a copy of its own: the caller may change it)."""
-    return copy.deepcopy(_schema())
-
-
 def _schema() -> dict:
     """The parsed schema, shared: read once per process and again only when the file changes.
 
@@ -111,9 +106,8 @@ def _describe(err: jsonschema.ValidationError) -> str:
     if err.validator == "enum":
         return f"config key '{key}' is {err.instance!r}; allowed values: {err.validator_value}."
     if err.validator == "oneOf":
-        opts = []
-        for s in err.validator_value:
-            opts.append(str(s.get("enum")) if "enum" in s else s.get("type", "?") + (f" >= {s['minimum']}" if "minimum" in s else ""))
+        opts = [str(s.get("enum")) if "enum" in s else s.get("type", "?") + (f" >= {s['minimum']}" if "minimum" in s else "")
+                for s in err.validator_value]
         return f"config key '{key}' is {err.instance!r}; it must be one of: {' or '.join(opts)}."
     if err.validator == "required":
         return f"config key '{key}' misses required key(s): {err.message}."
@@ -201,7 +195,6 @@ def _check_options(config: dict, source: str) -> None:
     each of its methods it changes what a private cell's plan or runs read (privacy.targets.plan_privacy_params,
     training.targets.finetune_params), else those cells would repeat the grid's."""
     from .grid import grid_datasets, option_methods
-    from .layout import fmt_num
     from .privacy.targets import plan_privacy_params
     from .training.targets import finetune_params
 
@@ -261,13 +254,7 @@ def _check_semantics(config: dict, source: str) -> None:
             )
     _check_dataset_keys(config, source)
     grid = config["grid"]
-    if grid["datasets"] is not None:
-        unknown = [d for d in grid["datasets"] if d not in config["datasets"]]
-        if unknown:
-            raise ConfigError(
-                f"{source}: grid.datasets names unknown dataset(s) {unknown}; "
-                f"defined datasets: {sorted(config['datasets'])}."
-            )
+    _check_known_datasets(config, "grid.datasets", source)
     if (config["privacy"].get("group_size") or {}).get("els") == "snr":
         raise ConfigError(
             f"{source}: privacy.group_size.els is 'snr', a rule for ULS only (it predicts the utility of "
@@ -307,11 +294,7 @@ def _check_semantics(config: dict, source: str) -> None:
 def _check_audit(config: dict, source: str) -> None:
     """audit.datasets are defined datasets; a canary example (bos + secret + eos) fits the sequence length."""
     audit = config["audit"]
-    if audit["datasets"] is not None:
-        unknown = [d for d in audit["datasets"] if d not in config["datasets"]]
-        if unknown:
-            raise ConfigError(f"{source}: audit.datasets names unknown dataset(s) {unknown}; defined datasets: "
-                              f"{sorted(config['datasets'])}.")
+    _check_known_datasets(config, "audit.datasets", source)
     seq = int(config["tokenizer"]["sequence_length"])
     prefix = int(audit["prefix_length"])
     if prefix + 3 > seq:
@@ -327,6 +310,15 @@ def _check_audit(config: dict, source: str) -> None:
         )
     if audit["budget"] is not None:
         _check_budgets([audit["budget"]], "audit.budget", "the audited runs' paths (budget~K)", source)
+
+
+def _check_known_datasets(config: dict, key: str, source: str) -> None:
+    """The datasets `key` (grid.datasets or audit.datasets; null: all of them) names are defined in `datasets`."""
+    section, field = key.split(".")
+    unknown = [d for d in config[section][field] or [] if d not in config["datasets"]]
+    if unknown:
+        raise ConfigError(f"{source}: {key} names unknown dataset(s) {unknown}; defined datasets: "
+                          f"{sorted(config['datasets'])}.")
 
 
 def _check_dataset_keys(config: dict, source: str) -> None:
@@ -514,14 +506,13 @@ def _check_uls_fits(config: dict, source: str) -> None:
         return
     training = config["training"]
     pbs, k = int(training["physical_batch_size"]), training["uls_examples_per_user"]
-    explicit = []
+    k = None if k is None else int(k)
     uls = _explicit_int(config["privacy"]["group_size"]["uls"])
-    if uls is not None:
-        explicit.append(("privacy.group_size.uls", uls, "a smaller G (privacy.group_size.uls)"))
+    if uls is not None:  # check_uls_fits' default key and fix are privacy.group_size.uls's
+        check_uls_fits(uls, pbs, k, source=source)
     for g in config["grid"]["group_size_sweep"]:
-        explicit.append(("grid.group_size_sweep", int(g), f"drop {g} from grid.group_size_sweep"))
-    for key, G, smaller in explicit:
-        check_uls_fits(G, pbs, None if k is None else int(k), key=key, smaller=smaller, source=source)
+        check_uls_fits(int(g), pbs, k, key="grid.group_size_sweep", smaller=f"drop {g} from grid.group_size_sweep",
+                       source=source)
 
 
 def _check_contribution_stats(config: dict, source: str) -> None:
