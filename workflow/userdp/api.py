@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .arguments import check_group_size as _check_group_size
 from .arguments import check_target as _check_target
 from .errors import ConfigError, DataError, UserError
 from .layout import LEDGER, PLAN_FILE, RUN_MODEL, fmt_num
@@ -80,15 +81,6 @@ class FineTuneResult:
     @property
     def model_dir(self) -> Path:
         return self.output_dir / RUN_MODEL
-
-
-def _check_group_size(group_size: Any) -> int | None:
-    if group_size is None:
-        return None
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
-        raise ConfigError(f"group_size is {group_size!r}; give a whole number G >= 1 (each user's examples are "
-                          "bounded to G), or None for the method's rule.")
-    return int(group_size)
 
 
 def _check_counts(counts: Any) -> np.ndarray:

@@ -62,10 +62,7 @@ class PrivacyArguments:
 
     def __post_init__(self) -> None:
         check_target(self.method, self.epsilon, self.compute, 1)
-        if self.group_size is not None and (isinstance(self.group_size, bool) or
-                                            not isinstance(self.group_size, numbers.Integral) or self.group_size < 1):
-            raise ConfigError(f"PrivacyArguments.group_size is {self.group_size!r}; give a whole number G >= 1 (each "
-                              "user's examples are bounded to G), or None for the method's rule.")
+        check_group_size(self.group_size, "PrivacyArguments.")
         if not isinstance(self.user_column, str) or not self.user_column:
             raise ConfigError(f"PrivacyArguments.user_column is {self.user_column!r}; give the column's name.")
         self.framing()
@@ -140,6 +137,16 @@ def _named(build, prefix: str, owner: str, given: dict[str, Any], extra: dict[st
             text = text.replace(key, f"{owner}.{field}")
         text = text.replace(" See config/README.md.", " See docs/api.md.")
         raise ConfigError(text) from None
+
+
+def check_group_size(group_size: Any, owner: str = "") -> int | None:
+    """G as an int (None: the method's rule), after checking it is a whole number >= 1 (ConfigError)."""
+    if group_size is None:
+        return None
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ConfigError(f"{owner}group_size is {group_size!r}; give a whole number G >= 1 (each user's examples are "
+                          "bounded to G), or None for the method's rule.")
+    return int(group_size)
 
 
 def check_target(method: Any, epsilon: Any, compute: Any, steps: Any) -> float:

@@ -70,7 +70,7 @@ class UserDPSFTTrainer(UserDPTrainer, SFTTrainer):
             raise ConfigError("compute_loss_func is given: UserDPSFTTrainer's DP step computes its own loss (the "
                               "mean next-token cross-entropy of each row's answer tokens); a custom loss would "
                               "act on evaluation only. Leave compute_loss_func unset.")
-        args = _sft_config(args, model)
+        args = _sft_config(args)
         rows = _as_dataset(train_dataset, "train_dataset")
         if kwargs.get("eval_dataset") is not None:
             kwargs["eval_dataset"] = _as_dataset(kwargs["eval_dataset"], "eval_dataset")
@@ -93,7 +93,7 @@ class UserDPSFTTrainer(UserDPTrainer, SFTTrainer):
                                 metric_key_prefix=metric_key_prefix)
 
 
-def _sft_config(args: Any, model: Any) -> SFTConfig:
+def _sft_config(args: Any) -> SFTConfig:
     """A copy of the SFTConfig (or TrainingArguments made one) with TRL's dataset preparation off; the
     settings that break the unit of privacy refused."""
     from transformers import TrainingArguments
@@ -114,28 +114,22 @@ def _sft_config(args: Any, model: Any) -> SFTConfig:
                           "sequence, and DP clipping needs each row's own gradient. Set padding_free=False.")
     # Settings of SFTTrainer's own loss and batches: the DP step computes its loss itself (mean next-token
     # cross-entropy over each row's answer tokens), so these would train one objective and evaluate another.
-    ignored = [(name, value, fix) for name, value, fix in (
-        ("loss_type", args.loss_type, "'nll'"),
-        ("label_smoothing_factor", args.label_smoothing_factor, "0"),
-        ("activation_offloading", args.activation_offloading, "False"),
-        ("truncation_mode", args.truncation_mode, "'keep_start'"),
-        ("eval_packing", args.eval_packing, "None or False"),
-    ) if not _default(name, value)]
+    ignored = [(name, fix) for name, agrees, fix in (
+        ("loss_type", args.loss_type == "nll", "'nll'"),
+        ("label_smoothing_factor", not args.label_smoothing_factor, "0"),
+        ("activation_offloading", not args.activation_offloading, "False"),
+        ("truncation_mode", args.truncation_mode == "keep_start", "'keep_start'"),
+        ("eval_packing", not args.eval_packing, "None or False"),
+    ) if not agrees]
     if ignored:
-        name, value, fix = ignored[0]
+        name, fix = ignored[0]
+        value = getattr(args, name)
         raise ConfigError(f"SFTConfig.{name} is {value!r}: UserDPSFTTrainer's DP step computes its own loss (the "
                           "mean next-token cross-entropy of each row's answer tokens) on rows cut at max_length "
                           f"from the start, so this setting would not act on training. Set {name}={fix}.")
     kwargs = dict(args.dataset_kwargs or {})
     kwargs["skip_prepare_dataset"] = True
     return dataclasses.replace(args, dataset_kwargs=kwargs, assistant_only_loss=False)
-
-
-def _default(name: str, value: Any) -> bool:
-    """Whether an SFTConfig setting has the value the DP step's own loss and framing agree with."""
-    return {"loss_type": value == "nll", "label_smoothing_factor": not value,
-            "activation_offloading": not value, "truncation_mode": value == "keep_start",
-            "eval_packing": not value}[name]
 
 
 def _as_dataset(rows: Any, name: str) -> Any:
