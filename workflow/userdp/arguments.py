@@ -107,22 +107,16 @@ class TrainingOptions:
     def __post_init__(self) -> None:
         self.config()
 
-    def training_section(self) -> dict[str, Any]:
-        names = ("physical_batch_size", "device", "precision", "uls_examples_per_user", "gradient_checkpointing",
-                 "debug_step_log")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
-
     def config(self, **sections: Any) -> dict:
-        """A validated run config with these options (and `sections`, e.g. privacy=...) over the defaults."""
+        """A validated run config with these options (and `sections`, e.g. privacy=...) over the defaults: every
+        field but sequence_length (tokenizer.sequence_length) is the training.* key of its name."""
         from .config import run_config
 
-        training = self.training_section()
-        section = dict(training)
-        if self.sequence_length is not None:
-            section["sequence_length"] = self.sequence_length
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        training = {k: v for k, v in given.items() if k != "sequence_length"}
         return _named(lambda: run_config(training=training, sequence_length=self.sequence_length,
                                          source="TrainingOptions", **sections), "training", "TrainingOptions",
-                      section, extra={"tokenizer.sequence_length": "sequence_length"})
+                      given, extra={"tokenizer.sequence_length": "sequence_length"})
 
 
 def _named(build, prefix: str, owner: str, given: dict[str, Any], extra: dict[str, str] | None = None) -> Any:

@@ -75,10 +75,6 @@ class _StepTickets(torch.utils.data.Dataset):
         return {"userdp_step": torch.tensor(int(i))}
 
 
-def _tickets(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {"userdp_step": torch.stack([b["userdp_step"] for b in batch])}
-
-
 class _CountSteps(TrainerCallback):
     """After Trainer's optimizer step: count and log the DP step (the engine's `Run.complete`)."""
 
@@ -162,7 +158,7 @@ class UserDPTrainer(Trainer):
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """T step tickets, in order (no shuffling, no workers): the sample is the DP step's (module doc)."""
-        return torch.utils.data.DataLoader(self.train_dataset, batch_size=1, shuffle=False, collate_fn=_tickets)
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=1, shuffle=False)
 
     # ------------------------------------------------------------------ the DP core
     def _core(self) -> Any:
@@ -188,9 +184,7 @@ class UserDPTrainer(Trainer):
         from .training import checkpoint as ckpt
         from .training.run_state import fingerprint_plan
 
-        pool = self._pool
-        return {"plan": fingerprint_plan(self.spec),
-                "pool": ckpt.arrays_digest(*pool.content_arrays())}
+        return {"plan": fingerprint_plan(self.spec), "pool": ckpt.arrays_digest(*self._pool.content_arrays())}
 
     def _load_state(self, folder: Path) -> None:
         path = folder / STATE_FILE
