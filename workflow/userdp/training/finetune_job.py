@@ -81,15 +81,6 @@ def bounding_seed(config_seed: int, dataset: str, run_seed: int, group_size: int
     return derive_seed(config_seed, dataset, int(run_seed), int(group_size), "bounding")
 
 
-def load_base_model(name: str, tokenizer: Any, lora: dict | None, config_seed: int,
-                    sequence_length: int | None = None) -> torch.nn.Module:
-    """The base model to fine-tune, checked against the tokenizer and the sequence length, with LoRA adapters
-    when `lora` is set (only they train; their init is public: lora_B = 0)."""
-    model = models.load_model(name)
-    models.check_model_fits(model, name, tokenizer, sequence_length)
-    return models.apply_lora(model, lora, derive_seed(config_seed, "lora_init"))
-
-
 @dataclass
 class RunInputs:
     """One run's loaded inputs (the pipeline's job and userdp.fine_tune build the same): its spec, bounded pool,
@@ -119,8 +110,10 @@ def train_run(run: RunInputs, dist: distributed.DistContext | None = None) -> en
     """Fine-tune the base model on the pool with the spec's mechanism (engine.train) into the run folder."""
     config = run.config
     lora = run.lora if run.lora is not None else config["model"].get("lora")
-    model = load_base_model(run.model, run.tokenizer, lora, config["seed"],
-                            config["tokenizer"]["sequence_length"])
+    model = models.load_model(run.model)
+    models.check_model_fits(model, run.model, run.tokenizer, config["tokenizer"]["sequence_length"])
+    # LoRA adapters when `lora` is set: only they train; their init is public (lora_B = 0)
+    model = models.apply_lora(model, lora, derive_seed(config["seed"], "lora_init"))
     settings = TrainSettings.from_config(config, float(run.learning_rate))
     seeds = run_seeds.run_seeds(config["seed"], int(run.seed), run.dataset, run.method, run.eps, run.budget,
                              run.spec.group_size, float(run.learning_rate), secret=run.secret, trial=run.trial,
