@@ -111,11 +111,10 @@ def _describe(err: jsonschema.ValidationError) -> str:
         return f"config key '{key}' is {err.instance!r}; it must be one of: {' or '.join(opts)}."
     if err.validator == "required":
         return f"config key '{key}' misses required key(s): {err.message}."
-    if err.validator == "type" and isinstance(err.instance, str) and _looks_numeric(err.instance) \
-            and not math.isfinite(float(err.instance)):
-        return (f"config key '{key}' is the string {err.instance!r}, not a number, and no number there may be "
-                f"infinite or NaN. {NONPRIVATE_HINT}")
     if err.validator == "type" and isinstance(err.instance, str) and _looks_numeric(err.instance):
+        if not math.isfinite(float(err.instance)):
+            return (f"config key '{key}' is the string {err.instance!r}, not a number, and no number there may be "
+                    f"infinite or NaN. {NONPRIVATE_HINT}")
         if "e" not in err.instance.lower():
             return (f"config key '{key}' is the string {err.instance!r}, not a number: it is in quotes. Write it "
                     f"without them: {err.instance.strip()}.")

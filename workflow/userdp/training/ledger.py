@@ -156,11 +156,8 @@ def build_ledger(spec: Any, facts: RunFacts, compute_epsilon: Callable[..., floa
         "compute_budget": budget,
         "compute_ratio": (done / float(budget)) if budget and done is not None else None,
         "learning_rate": float(facts.learning_rate),
-        "optimizer": training.get("optimizer"),
-        "schedule": training.get("schedule"),
-        "warmup_steps": training.get("warmup_steps"),
-        "physical_batch_size": training.get("physical_batch_size"),
-        "uls_examples_per_user": training.get("uls_examples_per_user"),
+        **{k: training.get(k) for k in ("optimizer", "schedule", "warmup_steps", "physical_batch_size",
+                                        "uls_examples_per_user")},
         "seed": facts.seeds.get("run"),
         "seeds": dict(facts.seeds),
         # seeds_mode / guarantee_caveat (userdp.privacy.seed_secrecy): "derived" when the run's samples and noise
