@@ -56,11 +56,8 @@ def run_key(fingerprint: str) -> str:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _files(run_dir: Path, outputs: Iterable[Path]) -> list[str]:
