@@ -250,9 +250,7 @@ def streaming_parquet(path: str | os.PathLike, artifact: bool = True) -> pq.Parq
     artifact is a DataError naming it (`parquet_errors`); artifact=False (a
     user's data file) leaves pyarrow's error to the loader, which explains it.
     """
-    if not artifact:
-        return pq.ParquetFile(path, pre_buffer=False)
-    with parquet_errors(path):
+    with parquet_errors(path) if artifact else contextlib.nullcontext():
         return pq.ParquetFile(path, pre_buffer=False)
 
 

@@ -62,19 +62,6 @@ log = logging.getLogger("userdp.trainer")
 STATE_FILE = "userdp_state.pt"
 
 
-class _StepTickets(torch.utils.data.Dataset):
-    """T items, one per noisy step: the step's number (the sample is drawn in the step, see the module doc)."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = int(steps)
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"userdp_step": torch.tensor(int(i))}
-
-
 class _CountSteps(TrainerCallback):
     """After Trainer's optimizer step: count and log the DP step (the engine's `Run.complete`)."""
 
@@ -139,7 +126,8 @@ class UserDPTrainer(Trainer):
         self._options = dataclasses.replace(options or TrainingOptions(), device=self.args.device.type,
                                             precision="bf16" if self.args.bf16 else None)
         self._prepare(rows)
-        self.train_dataset = _StepTickets(self.spec.steps)
+        # T step tickets, one per noisy step: the step's number (the sample is drawn in the step, see the module doc)
+        self.train_dataset = [{"userdp_step": torch.tensor(i)} for i in range(self.spec.steps)]
         self._dp: Any = None
         self._resume: str | None = None
         self._pending: tuple | None = None
