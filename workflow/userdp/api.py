@@ -34,7 +34,7 @@ import numpy as np
 from .arguments import check_group_size as _check_group_size
 from .arguments import check_target as _check_target
 from .errors import ConfigError, DataError, UserError
-from .layout import LEDGER, PLAN_FILE, RUN_MODEL, fmt_num
+from .layout import ADAPTER_CONFIG, LEDGER, PLAN_FILE, RUN_MODEL, TOKENIZER, fmt_num
 from .privacy.spec import RunSpec
 
 log = logging.getLogger("userdp.api")
@@ -182,8 +182,6 @@ def load_released(run_dir: str | os.PathLike, *, with_ledger: bool = False, with
 def _released_folder(run_dir: str | os.PathLike) -> Path:
     """The folder of the released model: `run_dir` itself when it holds a model or an adapter, else its model/
     (a DataError when there is none)."""
-    from .layout import ADAPTER_CONFIG
-
     path = Path(run_dir)
     folder = path if (path / "config.json").exists() or (path / ADAPTER_CONFIG).exists() else path / RUN_MODEL
     if not folder.is_dir():
@@ -264,7 +262,6 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
 def _tokenizer_of(model: str | os.PathLike) -> str:
     """The tokenizer folder `evaluate` uses by default: the model folder's, else a LoRA adapter's base model's."""
     from .io import read_json
-    from .layout import ADAPTER_CONFIG, TOKENIZER
 
     folder = _released_folder(Path(model).expanduser().resolve())
     adapter = folder / ADAPTER_CONFIG

@@ -194,13 +194,12 @@ def render(ledger: Mapping[str, Any], *, title: str | None = None, audit: Mappin
     return "\n".join(out)
 
 
-def write_card(folder: str | os.PathLike, ledger: Mapping[str, Any], *, title: str | None = None,
-               audit: Mapping[str, Any] | None = None) -> Path:
+def write_card(folder: str | os.PathLike, ledger: Mapping[str, Any], *, title: str | None = None) -> Path:
     """Write README.md into `folder` (atomically) from `ledger`; its path."""
     from ..io import write_text
 
     path = Path(folder) / CARD
-    write_text(path, render(ledger, title=title, audit=audit))
+    write_text(path, render(ledger, title=title))
     return path
 
 
