@@ -35,3 +35,19 @@ def test_cell_and_lr_patterns_match_every_run_folder():
         assert not cell_re.fullmatch(rel + "/lr~0.001")
     for lr in c["training"]["learning_rates"]:
         assert lr_re.fullmatch(fmt_num(lr)), fmt_num(lr)
+
+
+def test_evaluation_params_score_validation_users_only_where_runs_are_choices():
+    """One definition of what changes an evaluation's metrics: rule finetune's `evaluation` param (validation
+    users where the cell chooses among its two learning rates), rule evaluate_pretrained's (a choice of nothing:
+    test users only) and rule random_stopping's (its runs are choices: both splits, the default, no key)."""
+    from userdp.evaluation.targets import evaluation_params
+
+    c = cfg()
+    users = {"max_users": c["evaluation"]["max_users"], "seed": c["seed"]}
+    assert evaluation_params(c) == evaluation_params(c, selects=True) == users
+    assert evaluation_params(c, selects=False) == {**users, "splits": ["test"]}
+    one_rate = validate_config({**c, "training": {**c["training"], "learning_rates": [0.001]}})
+    assert evaluation_params(one_rate) == {**users, "splits": ["test"]}
+    always = validate_config({**c, "evaluation": {**c["evaluation"], "validation": "always"}})
+    assert evaluation_params(always, selects=False) == users

@@ -14,15 +14,6 @@
 import userdp.evaluation.targets as eval_targets
 from userdp.plotting.registry import figure_targets
 
-# Params hold what changes the metrics: which users are evaluated (max_users,
-# seed). evaluation.batch_size and training.device change the metrics only by
-# float rounding: the script reads them from the config, so they are no param
-# and no rerun trigger (userdp.evaluation.targets.EVALUATE_UNTRACKED_KEYS).
-_EVAL_PARAMS = dict(
-    max_users=config["evaluation"]["max_users"],
-    seed=config["seed"],
-)
-
 
 rule evaluate_pretrained:
     input:
@@ -35,8 +26,9 @@ rule evaluate_pretrained:
         # the hub name in model.name, or the folder pretraining writes (a recorded param: base_model)
         model=base_model,
         local_model=not config["model"]["name"],
-        **eval_targets.split_params(config, selects=False),
-        **_EVAL_PARAMS,
+        # what changes the metrics: which users (max_users, seed) and splits; evaluation.batch_size and
+        # training.device change them only by float rounding, so they are no param and no rerun trigger
+        **eval_targets.evaluation_params(config, selects=False),
     log:
         "results/logs/evaluate/{dataset}/pretrained.log",
     benchmark:
@@ -120,7 +112,7 @@ if eval_targets.random_stopping(config):
             settings=finetune_settings,
             learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
             debug_step_log=bool(config["training"]["debug_step_log"]),
-            **_EVAL_PARAMS,
+            **eval_targets.evaluation_params(config, selects=True),
         log:
             "results/logs/random_stopping/{dataset}/{cell}.log",
         # no benchmark file: its wall time reveals the number of runs K, which stays secret (docs/privacy.md)

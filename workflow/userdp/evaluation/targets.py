@@ -49,12 +49,16 @@ def split_params(config: Mapping, *, selects: bool) -> dict[str, list[str]]:
     return {} if splits == list(EVAL_SPLITS) else {"splits": splits}
 
 
-def evaluation_params(config: Mapping) -> dict:
-    """Rule finetune's `evaluation` param, what changes its runs' metrics besides their models and the tokens:
-    which held-out users (evaluation.max_users, the config seed) and which splits (`split_params`: validation
-    users where the cell chooses among several learning rates)."""
+def evaluation_params(config: Mapping, *, selects: bool | None = None) -> dict:
+    """What changes an evaluation's metrics besides its model and the tokens: which held-out users
+    (evaluation.max_users, the config seed) and which splits (`split_params`). `selects`: whether the
+    evaluated runs are choices (validation users too); None, as rule finetune's `evaluation` param: where the
+    cell chooses among several learning rates. Rule evaluate_pretrained (False) and rule random_stopping
+    (True) spread it into their params."""
+    if selects is None:
+        selects = len(config["training"]["learning_rates"]) > 1
     return {"max_users": config["evaluation"]["max_users"], "seed": config["seed"],
-            **split_params(config, selects=len(config["training"]["learning_rates"]) > 1)}
+            **split_params(config, selects=selects)}
 
 
 def random_stopping(config: Mapping) -> bool:
