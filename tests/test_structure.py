@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -380,6 +381,23 @@ def test_no_reference_leaves_the_repository():
                 if pattern in line:
                     hits.append(f"{path.relative_to(ROOT)}:{lineno}: cites {what} ({line.strip()[:100]})")
     assert not hits, "references outside the repository:\n" + "\n".join(hits)
+
+
+@pytest.mark.helper_process  # ruff --show-files
+def test_the_linter_reads_every_library_module_and_no_output_folder(tmp_path):
+    """ruff's excludes name the top-level output folders only: a bare `data` pattern matched the package
+    workflow/userdp/data too, and `/data` anchors at the file system's root, not the project's. Checked on a
+    copy of pyproject.toml without .gitignore (which hides results/ and data/ inside a git checkout only)."""
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text(encoding="utf-8"), encoding="utf-8")
+    files = ["data/a.py", "results/b.py", "workflow/userdp/data/c.py", "workflow/userdp/d.py"]
+    for f in files:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x = 1\n", encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-respect-gitignore", "--show-files", "."],
+                         cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    shown = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".py")]
+    seen = sorted(str(p.relative_to(tmp_path)) for p in shown)
+    assert seen == sorted(files[2:]), seen
 
 
 # ---------------------------------------------------------------------------- 4. scripts read the config untracked
