@@ -120,7 +120,7 @@ def test_user_cap_is_seeded_and_exact():
     assert choose_users(users, 1000, seed=1) == sorted(set(users))
 
 
-def test_evaluate_model_end_to_end(data):
+def test_evaluate_models_end_to_end(data):
     d, df, _ = data
     [out] = evaluate_models([d / "model"], d / "tokens.parquet", dataset="toy", root_seed=0, max_users=2,
                             batch_size=4, device="cpu")

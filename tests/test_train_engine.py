@@ -328,7 +328,7 @@ def test_learning_rate_log_follows_schedule(tmp_path, pool):
 
 def test_uls_with_too_small_physical_batch_fails_early(tmp_path, pool):
     plan = plan_for(pool, "uls", expected=2.0, steps=2)
-    with pytest.raises(ConfigError, match="physical_batch_size"):
+    with pytest.raises(ConfigError, match=r"physical_batch_size is 2 .*\(G = 3 from the plan\)"):
         engine.train(tiny_model(), pool, plan, settings(physical_batch_size=2), run_state.RunPaths(tmp_path), seeds(),
                      0, gradient_source=ConstantGradients, compute_epsilon=fake_epsilon)
     bad = plan.replace(group_size=5)

@@ -27,7 +27,8 @@ rule evaluate_pretrained:
         model=base_model,
         local_model=not config["model"]["name"],
         # what changes the metrics: which users (max_users, seed) and splits; evaluation.batch_size and
-        # training.device change them only by float rounding, so they are no param and no rerun trigger
+        # training.device change them only by float rounding: the script reads them from the config, so they are
+        # no param and no rerun trigger (userdp.evaluation.targets.EVALUATE_UNTRACKED_KEYS)
         **eval_targets.evaluation_params(config, selects=False),
     log:
         "results/logs/evaluate/{dataset}/pretrained.log",

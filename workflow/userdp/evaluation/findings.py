@@ -47,7 +47,6 @@ from ..layout import fmt_num
 from ..privacy.comparison import ACCOUNTANT_LABELS, GROUP_BASELINES
 from ..seeding import derive_seed
 from .audit_stats import auc
-from .groups import _fmt
 
 REPRODUCED = "reproduced"
 NOT_REPRODUCED = "not reproduced"
@@ -207,7 +206,7 @@ def _method_claims(grid: Grid, domain: str, axis: str, diversity: Mapping, unit:
     pairs = [d for u in units if (d := _diff(grid, epsilon=e0, budget=k_hi, **{axis: u}))]
     if pairs:
         out.append(_finding(1, domain, _scaled([t for d in pairs for t in d], 1 / len(pairs)), "<", unit,
-                            f"epsilon = {_fmt(e0)}, budget = {k_hi}, mean over {len(pairs)} {axis} value(s)",
+                            f"epsilon = {e0:g}, budget = {k_hi}, mean over {len(pairs)} {axis} value(s)",
                             figures["budget"], detail="effect = ULS - ELS"))
     else:
         out.append(_not_measured(1, domain, f"no ELS/ULS pair at epsilon {e0}, budget {k_hi}"))
@@ -224,7 +223,7 @@ def _method_claims(grid: Grid, domain: str, axis: str, diversity: Mapping, unit:
                 n += 1
         if n:
             out.append(_finding(2, domain, _scaled(terms, 1 / n), "<", unit,
-                                f"epsilon = {_fmt(e0)}, budget {k_hi} vs {k_lo}, mean over {n} {axis} value(s)",
+                                f"epsilon = {e0:g}, budget {k_hi} vs {k_lo}, mean over {n} {axis} value(s)",
                                 figures["heatmap"], detail="effect = (ULS - ELS at the largest budget) - (at the smallest)"))
         else:
             out.append(_not_measured(2, domain, "no ELS/ULS pairs at both the smallest and largest budget"))
@@ -239,8 +238,8 @@ def _method_claims(grid: Grid, domain: str, axis: str, diversity: Mapping, unit:
         a, b = _diff(grid, epsilon=e0, budget=k_hi, **{axis: u_hi}), _diff(grid, epsilon=e0, budget=k_hi, **{axis: u_lo})
         if a and b:
             out.append(_finding(3, domain, a + _scaled(b, -1.0), "<", unit,
-                                f"epsilon = {_fmt(e0)}, budget = {k_hi}, {u_hi} (diversity {_fmt(d_hi)}) vs "
-                                f"{u_lo} (diversity {_fmt(d_lo)})", figures["diversity"],
+                                f"epsilon = {e0:g}, budget = {k_hi}, {u_hi} (diversity {d_hi:g}) vs "
+                                f"{u_lo} (diversity {d_lo:g})", figures["diversity"],
                                 detail="effect = (ULS - ELS, most diverse) - (ULS - ELS, least diverse)"))
         else:
             out.append(_not_measured(3, domain, "no ELS/ULS pairs at both diversity extremes"))
@@ -248,7 +247,7 @@ def _method_claims(grid: Grid, domain: str, axis: str, diversity: Mapping, unit:
     d4 = _diff(grid, epsilon=e0, budget=k_lo, **{axis: u_hom})
     if d4:
         out.append(_finding(4, domain, d4, ">", unit,
-                            f"epsilon = {_fmt(e0)}, budget = {k_lo}, {axis} = {u_hom}"
+                            f"epsilon = {e0:g}, budget = {k_lo}, {axis} = {u_hom}"
                             + (" (least diverse)" if known else ""),
                             figures["budget"], threshold=-tolerance,
                             detail=f"effect = ULS - ELS; competitive = ELS at most {tolerance:g} worse"))
@@ -309,7 +308,7 @@ def lm_findings(summaries: Mapping[str, pd.DataFrame], pretrained: Mapping[str, 
                     n += 1
         if n:
             f = _finding(6, LM, _scaled(terms, 1 / n), "<", unit,
-                         f"{method.upper()}, epsilon = {_fmt(eps[0])}, budget = {budgets[-1]}, mean over {n} dataset(s)",
+                         f"{method.upper()}, epsilon = {eps[0]:g}, budget = {budgets[-1]}, mean over {n} dataset(s)",
                          "lm_loss_vs_budget", detail=f"effect = {method.upper()} - pretrained")
         else:
             f = _not_measured(6, LM, f"no {method.upper()} cell with a pretrained reference")
@@ -328,7 +327,7 @@ def lm_findings(summaries: Mapping[str, pd.DataFrame], pretrained: Mapping[str, 
             sw = sweep_df[(sweep_df.dataset == d) & (sweep_df.method == method)]
             sweep[d] = {int(g): CellStats.of(x["test_loss"]) for g, x in sw.groupby("group_size")}
         out.append(_rule_vs_best(claim_id, LM, method, rule_cells, sweep, unit, "lm_loss_vs_group_size",
-                                 tolerance, f"epsilon = {_fmt(e_s)}, budget = {k_s}"))
+                                 tolerance, f"epsilon = {e_s:g}, budget = {k_s}"))
     return out
 
 
@@ -351,7 +350,7 @@ def me_findings(results: pd.DataFrame, relative_tolerance: float) -> list[Findin
     for claim_id, method in ((7, "els"), (8, "uls")):
         rule_cells, sw = {}, {}
         for key, g in chosen[chosen.method == method].groupby(["epsilon", "budget", "diversity"]):
-            label = f"eps {_fmt(key[0])} K {key[1]} s {_fmt(key[2])}"
+            label = f"eps {key[0]:g} K {key[1]} s {key[2]:g}"
             rule_cells[label] = (int(g["group_size"].iloc[0]), CellStats.of(g["log_error"]))
             x = sweep[(sweep.method == method) & (sweep.epsilon == key[0]) & (sweep.budget == key[1])
                       & (sweep.diversity == key[2])]
@@ -384,7 +383,7 @@ def accounting_findings(comparison: pd.DataFrame) -> list[Finding]:
         m = m.assign(ratio=m["noise_multiplier_group"] / m["noise_multiplier_tight"]).sort_values(
             ["epsilon", "group_size"])
         lo = float(m["ratio"].min())
-        parts = "; ".join(f"eps {_fmt(r.epsilon)} G {int(r.group_size)}: {r.ratio:.3f}x" for r in m.itertuples())
+        parts = "; ".join(f"eps {r.epsilon:g} G {int(r.group_size)}: {r.ratio:.3f}x" for r in m.itertuples())
         out.append(Finding(5, ACCOUNTING, CLAIMS[5], lo, lo, lo, ">", 1.0, verdict(lo, lo, ">", 1.0),
                            f"ratio of noise multipliers ({name} / tight)", "every (epsilon, G > 1) of the comparison",
                            "noise_vs_group_size", detail=f"baseline: {name}; effect = the smallest ratio; " + parts))
@@ -488,7 +487,7 @@ def option_findings(summaries: Mapping[str, pd.DataFrame], options: Mapping[str,
             terms, parts = mean_difference(common), []
             for eps in sorted({k[0] for k in common}):
                 e, lo, hi = contrast(mean_difference([k for k in common if k[0] == eps]))
-                parts.append(f"epsilon {_fmt(eps)}: {e:+.4f} [{lo:+.4f}, {hi:+.4f}]")
+                parts.append(f"epsilon {eps:g}: {e:+.4f} [{lo:+.4f}, {hi:+.4f}]")
             sigma = _paired(rows, ref, "plan_noise_multiplier", lambda x, y: x / y).mean()
             eps_gap = _paired(rows, ref, "ledger_epsilon", lambda x, y: (x - y).abs() / y).max()
             effect, lo, hi = contrast(terms)
@@ -608,7 +607,7 @@ def audit_findings(results: Sequence[Mapping], scores: Mapping[tuple[str, str, s
             boot += (auc(s_els[idx], inc[idx]) - auc(s_uls[idx], inc[idx])) / len(pairs)
         point += diff / len(pairs)
         ce, cu = cells[(d, "els", e)], cells[(d, "uls", e)]
-        parts.append(f"{d} eps {_fmt(e)} (claimed ELS {float(ce['epsilon_claimed']):.3g}, ULS "
+        parts.append(f"{d} eps {e:g} (claimed ELS {float(ce['epsilon_claimed']):.3g}, ULS "
                      f"{float(cu['epsilon_claimed']):.3g}): AUC ELS {ce[f'{AUDIT_SCORE}_auc']:.3f} vs ULS "
                      f"{cu[f'{AUDIT_SCORE}_auc']:.3f} (likelihood ratio: "
                      f"{ce.get('likelihood_ratio_auc', math.nan):.3f} vs {cu.get('likelihood_ratio_auc', math.nan):.3f}), "

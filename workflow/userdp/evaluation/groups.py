@@ -334,10 +334,6 @@ class Effect:
     detail: str
 
 
-def _fmt(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:g}"
-
-
 def users_group_size(users: pd.DataFrame) -> int | None:
     """G of the ELS cells of the main grid, from the per-user table (as `els_group_size` from the summary)."""
     rows = users[(users["method"] == "els") & ~users["is_group_sweep"].astype(bool)].drop_duplicates(
@@ -357,7 +353,7 @@ def claim_effects(model: CostModel, dataset: str, group_size: int | None) -> dic
     eps_all = sorted({e for _, e, _ in model.cells})
     k_hi = max(b for _, _, b in model.cells)
     e0 = eps_all[0]
-    at = f"{dataset}, epsilon = {_fmt(e0)}, budget = {k_hi}"
+    at = f"{dataset}, epsilon = {e0:g}, budget = {k_hi}"
     methods = [m for m in ("els", "uls") if (m, e0, k_hi) in model.cells]
     n_seeds = len(model.draws.seeds)
     seeds_txt = f"{n_seeds} seed(s)" + ("; one seed: the interval covers the choice of users only" if n_seeds == 1 else "")
@@ -393,8 +389,8 @@ def claim_effects(model: CostModel, dataset: str, group_size: int | None) -> dic
         e1 = eps_all[-1]
         everyone = np.ones(len(model.user_ids), dtype=bool)
         effects = per_method((e0, everyone), (e1, everyone),
-                             f"{dataset}, epsilon {_fmt(e0)} vs {_fmt(e1)}, budget = {k_hi}",
-                             f"effect = cost at epsilon {_fmt(e0)} - cost at {_fmt(e1)} over all "
+                             f"{dataset}, epsilon {e0:g} vs {e1:g}, budget = {k_hi}",
+                             f"effect = cost at epsilon {e0:g} - cost at {e1:g} over all "
                              f"{len(model.user_ids)} evaluated test users; {seeds_txt}")
         out["F2"] = effects or f"{dataset}: no cell pair for F2"
 
