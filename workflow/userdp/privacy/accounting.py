@@ -20,14 +20,15 @@ changes that only make it faster:
   steps of the same step are k * T steps), and fixed releases (the DP
   contribution statistics' `LaplaceDpEvent`) are composed last.
 
-`group_privacy_epsilon` and `group_privacy_rdp_epsilon` are the comparison
-baselines: the example-level guarantee (PLD, resp. RDP) converted to G
-examples by group privacy (`group_conversion_epsilon`). Tests compare every path
-with dp-accounting's own accountant on a grid of (sigma, q, T, G).
+`group_privacy_epsilon` gives the comparison baselines: the example-level
+guarantee (PLD, or RDP) converted to G examples by group privacy
+(`group_conversion_epsilon`). Tests compare every path with dp-accounting's
+own accountant on a grid of (sigma, q, T, G).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import lru_cache
 from typing import Iterable
@@ -826,54 +827,43 @@ def group_conversion_epsilon(delta_of_epsilon, group_size: int, delta: float, ep
 
 
 def group_privacy_epsilon(
-    noise_multiplier, sampling_rate, steps, delta, group_size, discretization=FINE_DISCRETIZATION
+    noise_multiplier, sampling_rate, steps, delta, group_size, discretization=FINE_DISCRETIZATION, rdp=False
 ) -> float:
-    """User-level epsilon of ELS by group privacy from the example-level PLD guarantee.
+    """User-level epsilon of ELS by group privacy from the example-level PLD (rdp: RDP) guarantee.
 
     The example-level curve is the PLD of the Poisson-subsampled Gaussian
     (tight); the conversion is `group_conversion_epsilon`. The PLD's
     pessimistic tail truncation puts a small mass at infinite privacy loss,
     so delta_ex(eps_ex) has a floor: the factor e^{(G-1) eps_ex} outgrows it,
     and at large targets (epsilon 16 at G = 4 in the default comparison)
-    the bound jumps from ~12 to infinity as sigma falls. The RDP-based
-    conversion (`group_privacy_rdp_epsilon`) has no such floor.
+    the bound jumps from ~12 to infinity as sigma falls.
+
+    rdp: the baseline of the study's authors' code, which has no such floor:
+    tensorflow_privacy's `compute_dp_sgd_privacy_lib` (user-level path, RDP
+    accountant, Poisson sampling, no microbatching): dp-accounting's
+    `RdpAccountant` (default orders) on T Poisson-subsampled Gaussian steps
+    gives delta_ex(eps_ex), converted to G examples by the same lemma.
     """
     check_arguments(noise_multiplier, sampling_rate, steps, delta, group_size)
     if noise_multiplier == 0 and steps != 0:
         return math.inf
     if steps == 0:
         return 0.0
-    G = int(group_size)
-    pld = _composed_step_pld(("poisson", float(noise_multiplier), float(sampling_rate)), int(steps), float(discretization))
-    if G == 1:
-        return float(epsilon_for_delta(pld, delta))
-    return group_conversion_epsilon(pld.get_delta_for_epsilon, G, delta, epsilon_for_delta(pld, delta / G))
+    if rdp:
+        from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-
-def group_privacy_rdp_epsilon(noise_multiplier, sampling_rate, steps, delta, group_size) -> float:
-    """User-level epsilon of ELS by group privacy from the example-level RDP guarantee.
-
-    The baseline of the study's authors' code: tensorflow_privacy's
-    `compute_dp_sgd_privacy_lib` (user-level path, RDP accountant, Poisson
-    sampling, no microbatching): dp-accounting's `RdpAccountant` (default
-    orders) on T Poisson-subsampled Gaussian steps gives delta_ex(eps_ex),
-    converted to G examples by the same lemma (`group_conversion_epsilon`).
-    """
-    check_arguments(noise_multiplier, sampling_rate, steps, delta, group_size)
-    if noise_multiplier == 0 and steps != 0:
-        return math.inf
-    if steps == 0:
-        return 0.0
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-
-    acc = rdp_lib.RdpAccountant()
-    acc.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(float(sampling_rate), dp_accounting.GaussianDpEvent(float(noise_multiplier))),
-        int(steps)))
+        acc = rdp_lib.RdpAccountant()
+        acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            float(sampling_rate), dp_accounting.GaussianDpEvent(float(noise_multiplier))), int(steps)))
+        epsilon_of, delta_of = acc.get_epsilon, acc.get_delta
+    else:
+        pld = _composed_step_pld(("poisson", float(noise_multiplier), float(sampling_rate)), int(steps),
+                                 float(discretization))
+        epsilon_of, delta_of = functools.partial(epsilon_for_delta, pld), pld.get_delta_for_epsilon
     G = int(group_size)
     if G == 1:
-        return float(acc.get_epsilon(delta))
-    return group_conversion_epsilon(acc.get_delta, G, delta, acc.get_epsilon(delta / G))
+        return float(epsilon_of(delta))
+    return group_conversion_epsilon(delta_of, G, delta, epsilon_of(delta / G))
 
 
 def library_versions() -> dict[str, str]:

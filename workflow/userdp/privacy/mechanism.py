@@ -272,6 +272,7 @@ class GroupPrivacyELS(ELS):
 
     name: ClassVar[str] = "group"
     accountant: ClassVar[str] = "pld_poisson_subsampled_gaussian+group_privacy"
+    rdp: ClassVar[bool] = False  # the example-level guarantee: PLD (GroupPrivacyRdpELS: RDP)
 
     # What runs is the example-level Poisson-subsampled Gaussian: ULS's step at the example rate.
     step_event = ULS.step_event
@@ -281,13 +282,9 @@ class GroupPrivacyELS(ELS):
                 discretization=accounting.FINE_DISCRETIZATION) -> float:
         if tuple(extra_events):
             raise PrivacyError("the group-privacy accountant is for the comparison figure only; it takes no extra events.")
-        return self._group_epsilon(noise_multiplier, self.steps if steps is None else int(steps), delta,
-                                   discretization)
-
-    def _group_epsilon(self, noise_multiplier, steps, delta, discretization) -> float:
-        """The conversion of this baseline (PLD here; `GroupPrivacyRdpELS`: RDP)."""
-        return accounting.group_privacy_epsilon(noise_multiplier, self.sampling_rate, steps, delta, self.group_size,
-                                                discretization)
+        return accounting.group_privacy_epsilon(noise_multiplier, self.sampling_rate,
+                                                self.steps if steps is None else int(steps), delta, self.group_size,
+                                                discretization, rdp=self.rdp)
 
     def calibration_target(self, epsilon, delta):
         """The example-level target (eps/G, delta / (G e^{(G-1) eps/G})) of the subsampled Gaussian."""
@@ -303,14 +300,12 @@ class GroupPrivacyRdpELS(GroupPrivacyELS):
     """ELS accounted by group privacy from its example-level RDP guarantee (comparison baseline only).
 
     The conversion of the study's authors' code (tensorflow_privacy's
-    `compute_dp_sgd_privacy_lib`, user-level path): `accounting.group_privacy_rdp_epsilon`.
+    `compute_dp_sgd_privacy_lib`, user-level path): `accounting.group_privacy_epsilon` with rdp.
     """
 
     name: ClassVar[str] = "group_rdp"
     accountant: ClassVar[str] = "rdp_poisson_subsampled_gaussian+group_privacy"
-
-    def _group_epsilon(self, noise_multiplier, steps, delta, discretization) -> float:
-        return accounting.group_privacy_rdp_epsilon(noise_multiplier, self.sampling_rate, steps, delta, self.group_size)
+    rdp: ClassVar[bool] = True
 
 
 #: Training methods by the name configs, plans and ledgers use.
