@@ -200,15 +200,10 @@ def calibrate_cell(setup: CellSetup) -> dict[str, float]:
 # ---------------------------------------------------------------- scores
 
 
-def _amp3(amp: np.ndarray) -> np.ndarray:
-    """Amplitudes as [m, 1, 1] (one per canary) or [m, T, 1] (per canary and step: adaptive clipping)."""
-    amp = np.asarray(amp, float)
-    return amp[:, None, None] if amp.ndim == 1 else amp[:, :, None]
-
-
 def _log_terms(y: np.ndarray, amp: np.ndarray, k: np.ndarray, pk: np.ndarray, sigma: float) -> np.ndarray:
     """[m, T, K]: log P(k) + (k a y - (k a)^2 / 2) / sigma^2 for y [m, T] and amplitude a [m] or [m, T]."""
-    ka = _amp3(amp) * k[None, None, :]  # [m, 1 or T, K]
+    amp = np.asarray(amp, float)  # [m]: one per canary; [m, T]: per canary and step (adaptive clipping)
+    ka = (amp[:, None, None] if amp.ndim == 1 else amp[:, :, None]) * k[None, None, :]  # [m, 1 or T, K]
     return (ka * y[:, :, None] - 0.5 * ka ** 2) / sigma ** 2 + np.log(np.maximum(pk, 1e-300))[None, None, :]
 
 

@@ -128,10 +128,10 @@ def prune_mixture(
     is invisible in double precision, and the PLD is built with a few
     components instead of G + 1 (3x faster at G = 64, q = 0.01).
     """
-    order = np.argsort(np.asarray(list(sensitivities), dtype=float), kind="stable")
-    sens = [float(x) for x in np.asarray(list(sensitivities), dtype=float)[order]]
-    probs = [float(x) for x in np.asarray(list(probabilities), dtype=float)[order]]
-    p = np.asarray(probs)
+    s = np.asarray(list(sensitivities), dtype=float)
+    order = np.argsort(s, kind="stable")
+    p = np.asarray(list(probabilities), dtype=float)[order]
+    sens, probs = s[order].tolist(), p.tolist()
     # P(K > k): sums of the probabilities above k, accumulated from the smallest (top) terms.
     sf = np.append(np.cumsum(p[::-1])[::-1][1:], 0.0)
     below = np.nonzero(sf <= tail_mass)[0]
@@ -664,7 +664,7 @@ def _parts_epsilon(steps: dict[tuple, int], extra: tuple, private: bool, delta: 
 
 
 def _steps_pld(steps: dict, discretization: float):
-    """The PLD of the noisy steps composed (each distinct step's T-fold composition, in the memo's key order)."""
+    """PLD of the noisy steps composed (each distinct step's T-fold composition, in the memo's key order), or None."""
     pld = None
     for key, n in sorted(steps.items()):
         part = _composed_step_pld(key, int(n), float(discretization))
@@ -723,8 +723,7 @@ class UserLevelAccountant(dp_accounting.PrivacyAccountant):
         """The smallest delta at which the composed events are (target_epsilon, delta)-DP (1 if non-private)."""
         if not self._private:
             return 1.0
-        pld = _with_fixed(_steps_pld(self._steps, self.discretization) if self._steps else None,
-                          tuple(self._fixed), self.discretization)
+        pld = _with_fixed(_steps_pld(self._steps, self.discretization), tuple(self._fixed), self.discretization)
         return 0.0 if pld is None else float(pld.get_delta_for_epsilon(float(target_epsilon)))
 
 
