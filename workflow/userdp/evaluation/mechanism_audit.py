@@ -493,8 +493,7 @@ def unit_norms(model, pool, setup: CellSetup, canary_grads: np.ndarray) -> np.nd
 
 
 def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: Mapping[str, Any] | None = None,
-               dist=None,
-               compute_epsilon: Callable[..., float] | None = None) -> dict[str, Any] | None:
+               dist=None) -> dict[str, Any] | None:
     """Train the audit's canaries through the real engine (PrivateTraining, make_private's core); every step's
     released canary and free rows.
 
@@ -547,7 +546,7 @@ def train_cell(setup: CellSetup, calibrated: Mapping[str, float], *, settings: M
     optimizer = optim.make_optimizer([wte], train_settings.optimizer, 0.0)
     scheduler = optim.make_scheduler(optimizer, train_settings.schedule, 0, setup.steps)
     dp = PrivateTraining(model, optimizer, pool, spec, train_settings, seeds, 0, scheduler=scheduler,
-                         observe=observe, compute_epsilon=compute_epsilon, dist=dist)
+                         observe=observe, dist=dist)
     while dp.steps_done < spec.steps:
         dp.step()
     if dist is not None and dist.active and not dist.is_main:

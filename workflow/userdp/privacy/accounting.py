@@ -112,19 +112,17 @@ def binomial_sensitivities(group_size: int, sampling_rate: float) -> tuple[list[
 TAIL_MASS = 1e-30
 
 
-def prune_mixture(
-    sensitivities: Iterable[float], probabilities: Iterable[float], tail_mass: float = TAIL_MASS
-) -> tuple[list[float], list[float]]:
+def prune_mixture(sensitivities: Iterable[float], probabilities: Iterable[float]) -> tuple[list[float], list[float]]:
     """MoG components with the far tail moved onto the largest sensitivity.
 
     Components (in increasing sensitivity) beyond k_max, whose total
-    probability is <= `tail_mass`, are replaced by one component at the
+    probability is <= TAIL_MASS, are replaced by one component at the
     largest sensitivity carrying their mass. Moving mass to a larger
     sensitivity can only make the mechanism less private (the scalar MoG with
     sensitivities s is a projection, i.e. post-processing, of a vector MoG
     whose sensitivity norms are s' >= s, which Corollary 4.7 of
     Choquette-Choo et al. 2023 bounds by the scalar MoG with s'), so the
-    accountant stays a valid upper bound; with tail_mass = 1e-30 the change
+    accountant stays a valid upper bound; with TAIL_MASS = 1e-30 the change
     is invisible in double precision, and the PLD is built with a few
     components instead of G + 1 (3x faster at G = 64, q = 0.01).
     """
@@ -134,7 +132,7 @@ def prune_mixture(
     sens, probs = s[order].tolist(), p.tolist()
     # P(K > k): sums of the probabilities above k, accumulated from the smallest (top) terms.
     sf = np.append(np.cumsum(p[::-1])[::-1][1:], 0.0)
-    below = np.nonzero(sf <= tail_mass)[0]
+    below = np.nonzero(sf <= TAIL_MASS)[0]
     k_max = int(below[0]) if below.size else len(sens) - 1
     if k_max >= len(sens) - 2:
         return sens, probs
@@ -143,11 +141,9 @@ def prune_mixture(
     return kept_s + [sens[-1]], kept_p + [max(rest, float(sf[k_max]))]
 
 
-def pruned_binomial_sensitivities(
-    group_size: int, sampling_rate: float, tail_mass: float = TAIL_MASS
-) -> tuple[list[float], list[float]]:
+def pruned_binomial_sensitivities(group_size: int, sampling_rate: float) -> tuple[list[float], list[float]]:
     """Binomial(G, q) sensitivities with the far tail moved onto sensitivity G (`prune_mixture`)."""
-    return prune_mixture(*binomial_sensitivities(group_size, sampling_rate), tail_mass=tail_mass)
+    return prune_mixture(*binomial_sensitivities(group_size, sampling_rate))
 
 
 # ---------------------------------------------------------------- fast MoG PLD
