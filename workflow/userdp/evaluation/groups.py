@@ -240,26 +240,19 @@ class CostModel:
                            derive_seed(settings.seed, "groups", dataset))
         self.cells = sorted({k[:3] for k in self.loss if math.isfinite(k[1])})
 
-    def gaps(self, method: str, eps: float, budget: int) -> tuple[np.ndarray, list[int]] | None:
-        """(users x seeds) private minus non-private loss of `method` at `budget`, seeds with both runs."""
-        seeds = [s for s in self.draws.seeds if (method, eps, budget, s) in self.loss
-                 and (method, math.inf, budget, s) in self.loss]
-        if not seeds or len(seeds) != len(self.draws.seeds):
-            return None  # a seed without its reference: the cell is not comparable to the others' draws
-        cols = [self.loss[(method, eps, budget, s)] - self.loss[(method, math.inf, budget, s)] for s in seeds]
-        return np.stack(cols, axis=1), seeds
-
     def mean_loss(self, method: str, eps: float, budget: int, mask: np.ndarray) -> float:
         vals = [self.loss[k][mask] for k in self.loss if k[:3] == (method, eps, budget)]
         return float(np.nanmean(np.concatenate(vals))) if vals and mask.any() else math.nan
 
     def cost(self, method: str, eps: float, budget: int, mask: np.ndarray) -> tuple[float, np.ndarray] | None:
-        g = self.gaps(method, eps, budget)
-        if g is None:
-            return None
-        gaps = g[0]
-        ok = mask & np.isfinite(gaps).all(axis=1)
-        return self.draws.group(gaps, ok)
+        """`Draws.group` of the users in `mask` with finite gaps: private minus non-private loss of `method` at
+        `budget` (users x seeds); None unless every seed has both runs."""
+        seeds = self.draws.seeds
+        if any((method, e, budget, s) not in self.loss for s in seeds for e in (eps, math.inf)):
+            return None  # a seed without its reference: the cell is not comparable to the others' draws
+        cols = [self.loss[(method, eps, budget, s)] - self.loss[(method, math.inf, budget, s)] for s in seeds]
+        gaps = np.stack(cols, axis=1)
+        return self.draws.group(gaps, mask & np.isfinite(gaps).all(axis=1))
 
     def group_masks(self, kind: str, order: Sequence[str] | None = None) -> list[tuple[str, np.ndarray]]:
         labels = self.groups[kind]
@@ -290,7 +283,6 @@ def group_table(model: CostModel, dataset: str, order: Mapping[str, Sequence[str
         for eps, budget in sorted({(e, b) for _, e, b in model.cells}):
             costs: dict[str, dict[str, tuple[float, np.ndarray]]] = {}
             for method in sorted({m for m, e, b in model.cells if (e, b) == (eps, budget)}):
-                ref_mask_loss = lambda mask: model.mean_loss(method, math.inf, budget, mask)  # noqa: E731
                 big = []
                 for rank, (name, mask) in enumerate(groups):
                     c = model.cost(method, eps, budget, mask)
@@ -299,7 +291,8 @@ def group_table(model: CostModel, dataset: str, order: Mapping[str, Sequence[str
                     n = int(mask.sum())
                     reliable = n >= model.settings.min_users
                     rows.append(_row(dataset, kind, name, rank, "cost", method, eps, budget, n, n_seeds, *c,
-                                     model.mean_loss(method, eps, budget, mask), ref_mask_loss(mask), reliable))
+                                     model.mean_loss(method, eps, budget, mask),
+                                     model.mean_loss(method, math.inf, budget, mask), reliable))
                     costs.setdefault(name, {})[method] = c
                     if reliable:
                         big.append((name, c, n))
