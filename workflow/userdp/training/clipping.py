@@ -102,10 +102,7 @@ def _collect_uses(model: nn.Module) -> tuple[list[nn.Parameter], list[_Use]]:
             "parameters (requires_grad=False), train LoRA adapters instead (model.lora), or use one of the "
             "architectures of tests/test_architectures.py."
         )
-    seen: dict[int, nn.Parameter] = {}
-    for u in uses:
-        seen.setdefault(id(u.param), u.param)
-    return list(seen.values()), uses
+    return list({id(u.param): u.param for u in uses}.values()), uses  # each parameter once, in order of first use
 
 
 def _unflatten(batch_length: tuple[int, int], g: Tensor) -> Tensor:
