@@ -76,6 +76,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 from scipy import special, stats
 
+from ..errors import ConfigError
 from ..privacy.adaptive import ADAPTIVE, AdaptiveClipping, of_config
 from ..privacy.banded import marginal_std_factors, whiten
 from .audit_stats import ESTIMATORS, correct_guesses, epsilon_lower_bound, guess_sets
@@ -771,8 +772,6 @@ def mechanism_params(config: Mapping) -> dict[str, Any]:
 def select_cells(params: Mapping[str, Any], method: str | None = None, epsilon: float | None = None
                  ) -> list[CellSetup]:
     """The audited cells (audit.methods x audit.epsilons), or the one named; ConfigError for one not audited."""
-    from ..errors import ConfigError
-
     methods, epsilons = list(params["methods"]), [float(e) for e in params["epsilons"]]
     if method is not None and method not in methods:
         raise ConfigError(f"method {method!r} is not audited: audit.methods is {methods}. Give one of them, or "

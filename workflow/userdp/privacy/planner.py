@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, PrivacyError
+from ..errors import ConfigError, DataError, PrivacyError
 from . import accounting, banded, contribution_stats, mechanism
 from . import adaptive as adaptive_lib
 from .calibration import calibrate
@@ -324,7 +324,6 @@ def planning_sizes(contributions: Contributions, n_users: int, group_size: int) 
 
 def read_train_counts(users_path: str) -> np.ndarray:
     """Example counts of the train users from results/data/{dataset}/users.parquet."""
-    from ..errors import DataError
     from ..io import read_table
 
     try:
@@ -358,7 +357,6 @@ def read_train_token_counts(tokens_path: str, batch_rows: int = 1 << 18) -> np.n
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from ..errors import DataError
     from ..io import streaming_parquet
 
     try:
@@ -407,8 +405,6 @@ def read_counts(users: str | None = None, tokens: str | None = None) -> tuple[np
 
 def check_evaluation_users(contributions: dict, dataset: str, where: str) -> None:
     """DataError when the dataset has no validation or no test users (evaluation would fail after training)."""
-    from ..errors import DataError
-
     n_users = contributions.get("n_users") or {}
     empty = [split for split in ("validation", "test") if int(n_users.get(split, 0) or 0) == 0]
     if empty:
