@@ -28,9 +28,8 @@ own accountant on a grid of (sigma, q, T, G).
 
 from __future__ import annotations
 
-import functools
 import math
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Iterable
 
 import numpy as np
@@ -854,7 +853,7 @@ def group_privacy_epsilon(
     else:
         pld = _composed_step_pld(("poisson", float(noise_multiplier), float(sampling_rate)), int(steps),
                                  float(discretization))
-        epsilon_of, delta_of = functools.partial(epsilon_for_delta, pld), pld.get_delta_for_epsilon
+        epsilon_of, delta_of = partial(epsilon_for_delta, pld), pld.get_delta_for_epsilon
     G = int(group_size)
     if G == 1:
         return float(epsilon_of(delta))
