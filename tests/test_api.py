@@ -197,11 +197,13 @@ def test_a_pyarrow_table_is_read_like_a_dataframe(workdir):
     import pyarrow as pa
 
     from userdp.api import _rows
+    from userdp.data.chat import Framing
 
     table = pa.Table.from_pandas(users_frame(5))
-    assert _rows(table, "author", "body") == _rows(users_frame(5), "author", "body")
+    body = Framing.of(text_column="body")
+    assert _rows(table, "author", body) == _rows(users_frame(5), "author", body)
     with pytest.raises(DataError, match=r"its columns are \['author', 'body'\]"):
-        _rows(table, "user", "body")
+        _rows(table, "user", body)
 
 
 def test_all_matches_the_names_docs_api_lists():

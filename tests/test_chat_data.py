@@ -73,7 +73,7 @@ def ckpt(tmp_path_factory) -> Path:
 def tok(ckpt):
     from userdp.api import _tokenizer
 
-    return _tokenizer(str(ckpt), ckpt.parent / "prepared")
+    return _tokenizer(str(ckpt))
 
 
 # ---------------------------------------------------------------- framing
@@ -200,7 +200,7 @@ def test_a_tokenizer_without_chat_template_is_refused(tmp_path):
     from userdp.api import _tokenizer
 
     make_tokenizer(tmp_path / "plain")
-    plain = _tokenizer(str(tmp_path / "plain"), tmp_path / "prepared")
+    plain = _tokenizer(str(tmp_path / "plain"))
     with pytest.raises(ConfigError, match="has no chat template"):
         chat.frame_examples(plain, "messages", [[{"role": "assistant", "content": "x"}]], 16)
 
@@ -370,7 +370,7 @@ def test_fine_tune_and_evaluate_score_the_answers_only(ckpt, tmp_path):
                              tokenizer=str(ckpt))
     from userdp.api import _tokenizer
 
-    tok = _tokenizer(str(ckpt), tmp_path / "tok")
+    tok = _tokenizer(str(ckpt))
     _, lengths, mask, _ = chat.frame_examples(tok, "messages", [list(m) for m in held["messages"]], 64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     # the scored tokens are the answer tokens after each row's first token, nothing else

@@ -246,9 +246,7 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     framing = Framing.of(text_column=text_column, messages_column=messages_column, prompt_column=prompt_column,
                          completion_column=completion_column)
     users, examples = _rows(data, user_column, framing)
-    with tempfile.TemporaryDirectory(prefix="userdp-evaluate-") as staging:
-        tok = _tokenizer(_local_or_hub(tokenizer) if tokenizer is not None else _tokenizer_of(model),
-                         Path(staging) / "tokenizer")
+    tok = _tokenizer(_local_or_hub(tokenizer) if tokenizer is not None else _tokenizer_of(model))
     dev = resolve_device(device)
     released = load_released(model, device=str(dev))
     length = int(cfg["tokenizer"]["sequence_length"])
@@ -328,7 +326,7 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, method: 
     Bad input raises the project's errors (ConfigError, DataError, PrivacyError) before anything is written in
     output_dir.
     """
-    from .config import API_DATASET, run_config
+    from .config import run_config
     from .data.chat import Framing
 
     eps = _check_target(method, epsilon, compute, steps)
@@ -353,14 +351,9 @@ def fine_tune(*, model: str | os.PathLike, data: Any, user_column: str, method: 
                      privacy=privacy_section, training=train, sequence_length=sequence_length)
     lr = float(cfg["training"]["learning_rates"][0])
     secret = _secret(secret_seeds, cfg["privacy"]["secret_seeds"])
-    users, examples = _rows(data, user_column, framing)
-    with tempfile.TemporaryDirectory(prefix="userdp-fine-tune-") as staging:
-        tok = _tokenizer(cfg["tokenizer"]["name"], Path(staging) / "tokenizer")
-        table = _tokens_table(tok, users, examples, int(cfg["tokenizer"]["sequence_length"]), framing.kind)
-        counts = np.unique(np.asarray(users), return_counts=True)[1]
-        spec = plan(method, eps, counts=counts, compute=compute, steps=steps, group_size=group_size,
-                    privacy=cfg["privacy"], dataset=API_DATASET)
-        outcome = _train(cfg, spec, table, tok, model, out, lr, method, eps, int(compute), secret, peft_config)
+    tok, spec, pool = _prepare(data, user_column, framing, cfg["tokenizer"]["name"], cfg, method, eps, compute,
+                               steps, group_size)
+    outcome = _train(cfg, spec, pool, tok, model, out, lr, method, eps, int(compute), secret, peft_config)
     spec.write(out / PLAN_FILE)
     return FineTuneResult(out, spec, outcome.ledger)
 
@@ -377,16 +370,40 @@ def _peft_lora(lora: Any) -> Any:
                       "(r, alpha, dropout, target_modules), or None for full fine-tuning.")
 
 
-def _train(cfg: dict, spec: RunSpec, table: Any, tok: Any, model: str, out: Path, lr: float, method: str,
-           eps: float, compute: int, secret: bool, peft_config: Any = None) -> Any:
-    """Bound the pool to G and train through the pipeline's run (training.finetune_job.train_run)."""
+def _prepare(data: Any, user_column: str, framing: Any, tokenizer: Any, cfg: dict, method: str, eps: float,
+             compute: int, steps: int | None, group_size: int | None, *, model: Any = None,
+             spec: RunSpec | Any = None) -> tuple[Any, RunSpec, Any]:
+    """(tokenizer, spec, pool) of the rows (fine_tune's, make_private's, UserDPTrainer's): checked and framed
+    (`_rows`, `_tokens_table`), the mechanism planned on the users' counts for `steps` steps (or `spec`, a
+    RunSpec or its record), every user bounded to G. `model`: a model object, checked against the tokenizer and
+    the sequence length."""
     from .config import API_DATASET
-    from .training import finetune_job
+    from .training.finetune_job import bounding_seed
+    from .training.models import check_model_fits
     from .training.pool import build_pool
 
+    users, examples = _rows(data, user_column, framing)
+    tok = _tokenizer(tokenizer)
+    length = int(cfg["tokenizer"]["sequence_length"])
+    if model is not None:
+        check_model_fits(model, type(model).__name__, tok, length)
+    table = _tokens_table(tok, users, examples, length, framing.kind)
+    if spec is None:
+        counts = np.unique(np.asarray(users), return_counts=True)[1]
+        spec = plan(method, eps, counts=counts, compute=int(compute), steps=int(steps), group_size=group_size,
+                    privacy=cfg["privacy"], dataset=API_DATASET)
+    else:
+        spec = RunSpec.from_record(spec)
+    return tok, spec, build_pool(table, spec.group_size, bounding_seed(cfg["seed"], API_DATASET, 0, spec.group_size))
+
+
+def _train(cfg: dict, spec: RunSpec, pool: Any, tok: Any, model: str, out: Path, lr: float, method: str,
+           eps: float, compute: int, secret: bool, peft_config: Any = None) -> Any:
+    """Train the bounded pool through the pipeline's run (training.finetune_job.train_run)."""
+    from .config import API_DATASET
+    from .training import finetune_job
+
     run_seed = 0
-    pool = build_pool(table, spec.group_size,
-                      finetune_job.bounding_seed(cfg["seed"], API_DATASET, run_seed, spec.group_size))
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -427,13 +444,11 @@ def _output_dir(output_dir: str | os.PathLike) -> Path:
 def _rows(data: Any, user_column: str, framing: Any) -> tuple[list[str], list]:
     """(user ids, examples) of the rows, checked: the columns exist, every row has a user id and an example.
 
-    framing: a `data.chat.Framing`, or the text column's name (plain text). The examples are texts, checked
-    conversations (lists of {"role", "content"} dicts) or (prompt, completion) pairs.
+    framing: a `data.chat.Framing`. The examples are texts, checked conversations (lists of {"role", "content"}
+    dicts) or (prompt, completion) pairs.
     """
-    from .data.chat import Framing, check_example
+    from .data.chat import check_example
 
-    if isinstance(framing, str):
-        framing = Framing.of(text_column=framing)
     wanted = (user_column, *framing.columns)
     names = getattr(data, "column_names", None)  # a pyarrow Table's `columns` are its arrays
     columns = [str(c) for c in (names if names is not None else getattr(data, "columns", []))]
@@ -478,13 +493,22 @@ def _column(data: Any, name: str) -> list:
     return col.to_pylist() if hasattr(col, "to_pylist") else list(col)
 
 
-def _tokenizer(name: str, folder: Path) -> Any:
-    """The model's (or the named) tokenizer, prepared as the pipeline's data stage does (bos and pad fall back
-    to eos)."""
+def _tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer as the pipeline's data stage prepares it (bos and pad fall back to eos), from its folder or
+    hub id, or from a tokenizer object (make_private's, UserDPTrainer's)."""
     from .data.tokenize import load_named, load_tokenizer
 
-    load_named(name, folder)
-    return load_tokenizer(folder)
+    with tempfile.TemporaryDirectory(prefix="userdp-tokenizer-") as staging:
+        if isinstance(tokenizer, (str, Path)):
+            name = _local_or_hub(tokenizer)
+        elif hasattr(tokenizer, "save_pretrained"):
+            name = str(Path(staging) / "given")
+            tokenizer.save_pretrained(name)
+        else:
+            raise ConfigError(f"tokenizer is a {type(tokenizer).__name__}; give the model's tokenizer "
+                              "(AutoTokenizer.from_pretrained(...)) or its folder.")
+        load_named(name, Path(staging) / "tokenizer")
+        return load_tokenizer(Path(staging) / "tokenizer")
 
 
 def _tokens_table(tok: Any, users: list[str], examples: list, sequence_length: int, kind: str = "text") -> Any:

@@ -24,11 +24,7 @@ step. Or give `spec=` (a RunSpec from `userdp.plan`) to train a plan made before
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from pathlib import Path
 from typing import Any, Callable
-
-import numpy as np
 
 from .arguments import PrivacyArguments, TrainingOptions, check_target, privacy_section
 from .errors import ConfigError
@@ -86,30 +82,14 @@ def prepare_rows(data: Any, args: PrivacyArguments, tokenizer: Any, model: Any, 
                  steps: int | None = None, spec: RunSpec | None = None) -> tuple[Any, RunSpec, Any]:
     """(tokenizer, spec, pool) of (user, text) rows for `model` (make_private's and UserDPTrainer's): the rows
     checked and framed as `fine_tune` frames them, the mechanism planned for `steps` steps (or `spec` as given),
-    every user bounded to G."""
-    from .api import _rows, _tokens_table, plan
-    from .config import API_DATASET
-    from .training.finetune_job import bounding_seed
-    from .training.models import check_model_fits
-    from .training.pool import build_pool
+    every user bounded to G (`api._prepare`)."""
+    from .api import _prepare
 
-    framing = args.framing()
-    users, examples = _rows(data, args.user_column, framing)
-    with tempfile.TemporaryDirectory(prefix="userdp-make-private-") as staging:
-        tok = _project_tokenizer(tokenizer, Path(staging))
-    length = int(cfg["tokenizer"]["sequence_length"])
-    check_model_fits(model, type(model).__name__, tok, length)
-    table = _tokens_table(tok, users, examples, length, framing.kind)
-    if spec is None:
-        counts = np.unique(np.asarray(users), return_counts=True)[1]
-        spec = plan(args.method, args.epsilon, counts=counts, compute=int(args.compute), steps=int(steps),
-                    group_size=args.group_size, privacy=cfg["privacy"], dataset=API_DATASET)
-    else:
-        spec = RunSpec.from_record(spec)
-        if steps is not None and int(steps) != spec.steps:
-            raise ConfigError(f"steps is {steps} but the spec plans {spec.steps}; give one of them.")
-    pool = build_pool(table, spec.group_size, bounding_seed(args.seed, API_DATASET, 0, spec.group_size))
-    return tok, spec, pool
+    tok, planned, pool = _prepare(data, args.user_column, args.framing(), tokenizer, cfg, args.method, args.epsilon,
+                                  args.compute, steps, args.group_size, model=model, spec=spec)
+    if spec is not None and steps is not None and int(steps) != planned.steps:
+        raise ConfigError(f"steps is {steps} but the spec plans {planned.steps}; give one of them.")
+    return tok, planned, pool
 
 
 def run_settings(cfg: dict, spec: RunSpec, args: PrivacyArguments, learning_rate: float, optimizer: str,
@@ -165,16 +145,3 @@ def _with_model_device(options: TrainingOptions, model: Any) -> TrainingOptions:
         raise ConfigError(f"model is a {type(model).__name__} without parameters; give a torch nn.Module causal "
                           "LM (AutoModelForCausalLM, or a PeftModel of one).") from None
     return dataclasses.replace(options, device=device if device in ("cpu", "cuda") else "auto")
-
-
-def _project_tokenizer(tokenizer: Any, staging: Path) -> Any:
-    """The tokenizer as the pipeline prepares it (bos and pad fall back to eos), from an object or a name."""
-    from .api import _local_or_hub, _tokenizer
-
-    if isinstance(tokenizer, (str, Path)):
-        return _tokenizer(_local_or_hub(tokenizer), staging / "tokenizer")
-    if not hasattr(tokenizer, "save_pretrained"):
-        raise ConfigError(f"tokenizer is a {type(tokenizer).__name__}; give the model's tokenizer "
-                          "(AutoTokenizer.from_pretrained(...)) or its folder.")
-    tokenizer.save_pretrained(staging / "given")
-    return _tokenizer(str(staging / "given"), staging / "tokenizer")
