@@ -27,11 +27,12 @@ from .errors import UserError
 from .io import json_text
 
 
-def _float(ok, not_a_number: str, out_of_range: str):
-    """An argparse type: the float of the text when ok(value), else the error that says which of the two failed."""
+def _number(ok, not_a_number: str, out_of_range: str, convert=float):
+    """An argparse type: the number (`convert`) of the text when ok(value), else the error that says which of the
+    two failed."""
     def parse(text: str) -> float:
         try:
-            v = float(text)
+            v = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{not_a_number}, got {text!r}") from None
         if not ok(v):
@@ -42,27 +43,19 @@ def _float(ok, not_a_number: str, out_of_range: str):
 
 
 def _positive_float(name: str, allow_inf: bool = False):
-    return _float(lambda v: v > 0 and (allow_inf or math.isfinite(v)), f"{name} must be a number",
+    return _number(lambda v: v > 0 and (allow_inf or math.isfinite(v)), f"{name} must be a number",
                   f"{name} must be a number > 0{' (or inf)' if allow_inf else ''}")
 
 
-_rate = _float(lambda v: 0 < v <= 1, "sampling rate must be a number in (0, 1]", "sampling rate must be in (0, 1]")
-_delta = _float(lambda v: 0 < v < 1, "delta must be a number in (0, 1)", "delta must be in (0, 1), e.g. 1e-6")
-_noise = _float(lambda v: v >= 0 and math.isfinite(v), "noise multiplier must be a number >= 0",
+_rate = _number(lambda v: 0 < v <= 1, "sampling rate must be a number in (0, 1]", "sampling rate must be in (0, 1]")
+_delta = _number(lambda v: 0 < v < 1, "delta must be a number in (0, 1)", "delta must be in (0, 1), e.g. 1e-6")
+_noise = _number(lambda v: v >= 0 and math.isfinite(v), "noise multiplier must be a number >= 0",
                 "noise multiplier must be a finite number >= 0")
 
 
 def _int_at_least(name: str, minimum: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a whole number >= {minimum}, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be a whole number >= {minimum}, got {text!r}")
-        return v
-
-    return parse
+    wanted = f"{name} must be a whole number >= {minimum}"
+    return _number(lambda v: v >= minimum, wanted, wanted, convert=int)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,11 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_config(args: argparse.Namespace) -> int:
     from .config import load_config_files
 
-    try:
-        load_config_files(args.files, args.default)
-    except UserError as exc:
-        print(f"userdp check-config: error: {exc}", file=sys.stderr)
-        return 2
+    load_config_files(args.files, args.default)
     print(f"{', '.join(args.files)}: valid")
     return 0
 
@@ -190,19 +179,14 @@ def _export_merged(args: argparse.Namespace) -> int:
     """Load the adapter on its base, merge, save_pretrained into a new folder."""
     from pathlib import Path
 
-    from .errors import DataError
     from .training import models
 
-    try:
-        if not models.is_adapter(args.adapter):
-            raise UserError(f"{args.adapter} holds no LoRA adapter (no adapter_config.json); give a run's model/ "
-                            "folder trained with model.lora (a full fine-tuning run's model/ is already merged).")
-        if Path(args.out).exists():
-            raise UserError(f"{args.out} exists; give a new folder (nothing is overwritten).")
-        models.save_model_atomic(models.load_model(args.adapter, merge=True), args.out)
-    except (UserError, DataError) as exc:
-        print(f"userdp export-merged: error: {exc}", file=sys.stderr)
-        return 2
+    if not models.is_adapter(args.adapter):
+        raise UserError(f"{args.adapter} holds no LoRA adapter (no adapter_config.json); give a run's model/ "
+                        "folder trained with model.lora (a full fine-tuning run's model/ is already merged).")
+    if Path(args.out).exists():
+        raise UserError(f"{args.out} exists; give a new folder (nothing is overwritten).")
+    models.save_model_atomic(models.load_model(args.adapter, merge=True), args.out)
     print(f"merged model written to {args.out}")
     return 0
 
@@ -211,11 +195,7 @@ def _audit_mechanism(args: argparse.Namespace) -> int:
     """`userdp audit-mechanism`: the white-box audit of the cells the config names (or the one asked for)."""
     from .api import audit_mechanism
 
-    try:
-        rows = audit_mechanism(args.configfile, method=args.method, epsilon=args.epsilon, dataset=args.dataset)
-    except UserError as exc:
-        print(f"userdp audit-mechanism: error: {exc}", file=sys.stderr)
-        return 2
+    rows = audit_mechanism(args.configfile, method=args.method, epsilon=args.epsilon, dataset=args.dataset)
     if args.json:
         print(json_text(rows[0] if args.method is not None and args.epsilon is not None else {"cells": rows}))
     else:
@@ -231,76 +211,72 @@ def _audit_mechanism(args: argparse.Namespace) -> int:
     return 1 if any(r["bound_exceeds_claim"] for r in rows) else 0
 
 
+def _account(args: argparse.Namespace) -> int:
+    """`userdp epsilon` and `userdp calibrate`."""
+    from .privacy import mechanism
+    from .privacy.calibration import calibrate
+    from .privacy.contribution_stats import laplace_event
+    from .privacy.selection import Selection
+
+    if args.method == "uls" and args.group_size != 1:
+        raise UserError(f"--group-size {args.group_size} has no effect with --method uls (a sampled user is one "
+                        "clipped unit, whatever its number of examples); omit it.")
+    extra = (laplace_event(args.stats_epsilon),) if args.stats_epsilon is not None else ()
+    if args.selection == "per_run" and args.runs > 1:
+        raise UserError(f"--runs {args.runs} with --selection per_run: per_run is one run's epsilon; for the model "
+                        "released from several learning-rate runs use --selection composed (or random_stopping).")
+    mean = None if args.selection != "random_stopping" else (args.mean_runs or float(args.runs))
+    selection = Selection(args.selection, args.runs, mean, args.shape if mean is not None else None)
+    mech = mechanism.get(args.method, comparison=True)(args.sampling_rate, args.steps, args.group_size)
+    if args.selection != "per_run" and args.method not in mechanism.METHODS:
+        raise UserError("--selection composed / random_stopping is for the training methods els and uls.")
+    if args.command == "epsilon":
+        if args.selection == "per_run":
+            eps = mech.epsilon(args.noise_multiplier, args.delta, discretization=args.discretization,
+                               extra_events=extra)
+        else:
+            eps = selection.released_epsilon(mech, args.noise_multiplier, args.delta, extra,
+                                             args.discretization)
+        record = {
+            "method": args.method,
+            "epsilon": eps,
+            "delta": args.delta,
+            "group_size": args.group_size,
+            "sampling_rate": args.sampling_rate,
+            "steps": args.steps,
+            "noise_multiplier": args.noise_multiplier,
+            "accountant": mech.accountant,
+            "discretization": args.discretization,
+            "selection": selection.record(),
+        }
+        text = f"epsilon = {eps:.6g} at delta = {args.delta:.3g}"
+    else:
+        r = calibrate(selection.calibration_mechanism(mech), args.epsilon, args.delta, tolerance=args.tolerance,
+                      max_noise_multiplier=args.max_noise_multiplier, extra_events=extra)
+        record = r.to_dict()
+        record.update(steps=args.steps, selection=selection.record())
+        if args.selection != "per_run" and r.noise_multiplier > 0:
+            record["epsilon_per_run"] = mech.epsilon(r.noise_multiplier, args.delta, extra_events=extra)
+        text = (f"noise multiplier = {r.noise_multiplier:.6g} (epsilon achieved {r.epsilon_achieved:.6g} <= "
+                f"{r.epsilon:g} at delta = {r.delta:.3g})")
+    if extra:
+        record["contribution_stats_epsilon"] = args.stats_epsilon
+    print(json_text(record) if args.json else text)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 invalid arguments or infeasible target)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"] and argv[1:] not in (["-h"], ["--help"]):
         return _run(argv[1:])  # snakemake's options are not ours: argparse would refuse them
     args = build_parser().parse_args(argv)
-    if args.command == "export-merged":
-        return _export_merged(args)
-    if args.command == "check-config":
-        return _check_config(args)
-    if args.command == "audit-mechanism":
-        return _audit_mechanism(args)
-    from .privacy import mechanism
-    from .privacy.calibration import calibrate
-
-    from .privacy.contribution_stats import laplace_event
-
-    if args.method == "uls" and args.group_size != 1:
-        print(f"userdp {args.command}: error: --group-size {args.group_size} has no effect with --method uls "
-              "(a sampled user is one clipped unit, whatever its number of examples); omit it.", file=sys.stderr)
-        return 2
-
-    extra = (laplace_event(args.stats_epsilon),) if args.stats_epsilon is not None else ()
+    commands = {"export-merged": _export_merged, "check-config": _check_config, "audit-mechanism": _audit_mechanism}
     try:
-        from .privacy.selection import Selection
-
-        if args.selection == "per_run" and args.runs > 1:
-            raise UserError(f"--runs {args.runs} with --selection per_run: per_run is one run's epsilon; for the model "
-                            "released from several learning-rate runs use --selection composed (or random_stopping).")
-        mean = None if args.selection != "random_stopping" else (args.mean_runs or float(args.runs))
-        selection = Selection(args.selection, args.runs, mean, args.shape if mean is not None else None)
-        mech = mechanism.get(args.method, comparison=True)(args.sampling_rate, args.steps, args.group_size)
-        if args.selection != "per_run" and args.method not in mechanism.METHODS:
-            raise UserError("--selection composed / random_stopping is for the training methods els and uls.")
-        if args.command == "epsilon":
-            if args.selection == "per_run":
-                eps = mech.epsilon(args.noise_multiplier, args.delta, discretization=args.discretization,
-                                   extra_events=extra)
-            else:
-                eps = selection.released_epsilon(mech, args.noise_multiplier, args.delta, extra,
-                                                 args.discretization)
-            record = {
-                "method": args.method,
-                "epsilon": eps,
-                "delta": args.delta,
-                "group_size": args.group_size,
-                "sampling_rate": args.sampling_rate,
-                "steps": args.steps,
-                "noise_multiplier": args.noise_multiplier,
-                "accountant": mech.accountant,
-                "discretization": args.discretization,
-                "selection": selection.record(),
-            }
-            text = f"epsilon = {eps:.6g} at delta = {args.delta:.3g}"
-        else:
-            r = calibrate(selection.calibration_mechanism(mech), args.epsilon, args.delta, tolerance=args.tolerance,
-                          max_noise_multiplier=args.max_noise_multiplier, extra_events=extra)
-            record = r.to_dict()
-            record.update(steps=args.steps, selection=selection.record())
-            if args.selection != "per_run" and r.noise_multiplier > 0:
-                record["epsilon_per_run"] = mech.epsilon(r.noise_multiplier, args.delta, extra_events=extra)
-            text = (f"noise multiplier = {r.noise_multiplier:.6g} (epsilon achieved {r.epsilon_achieved:.6g} <= "
-                    f"{r.epsilon:g} at delta = {r.delta:.3g})")
-        if extra:
-            record["contribution_stats_epsilon"] = args.stats_epsilon
-        print(json_text(record) if args.json else text)
+        return commands.get(args.command, _account)(args)
     except UserError as exc:
         print(f"userdp {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
