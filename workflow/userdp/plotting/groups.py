@@ -26,7 +26,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..evaluation.groups import GROUP_COLUMNS, users_group_size
-from .lm import METHODS, SHORT, _eps_label, _legend_below, epsilon_footnote, seeds_footnote
+from .lm import METHODS, SHORT, _eps_label, _legend_below, footnotes
 
 COST_LABEL = "cost of privacy: loss − non-private loss\n(nats/token, mean over the group's test users)"
 GAP_LABEL = "user's loss − non-private loss (nats/token)"
@@ -76,11 +76,11 @@ def cost_by_group(groups: pd.DataFrame, summary: pd.DataFrame, dataset: str) -> 
             ax.grid(True, axis="y", alpha=0.3)
             if c == 0:
                 ax.set_ylabel(COST_LABEL, fontsize=9)
-    _legend_below(fig, axes.flat[0])
+    _legend_below(fig)
     n_seeds = int(cost["n_seeds"].max())
     fig.suptitle(f"{dataset}: cost of privacy per user group (K = {budget:,}; 95% bootstrap intervals over users "
                  f"and {n_seeds} seed(s); no bar: group below groups.min_users)", fontsize=11)
-    return seeds_footnote(epsilon_footnote(fig, summary), summary)
+    return footnotes(fig, summary)
 
 
 def running_mean(x: np.ndarray, y: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -134,8 +134,8 @@ def gap_vs_examples(users: pd.DataFrame, summary: pd.DataFrame, dataset: str,
         ax.set_title(_eps_label(float(e)), fontsize=10)
         ax.grid(True, alpha=0.3)
     axes[0, 0].set_ylabel(GAP_LABEL)
-    _legend_below(fig, axes.flat[0])
+    _legend_below(fig)
     what = "points: one held-out test user each" if show_points else "per-user points withheld (groups.per_user_points)"
     fig.suptitle(f"{dataset}: cost of privacy vs contribution (K = {budget:,}; {what})", fontsize=11)
-    return seeds_footnote(epsilon_footnote(fig, summary), summary)
+    return footnotes(fig, summary)
 

@@ -99,9 +99,14 @@ def _main(summary: pd.DataFrame) -> pd.DataFrame:
     return summary[~summary["is_group_sweep"].astype(bool)]
 
 
-def _pretrained_line(ax, pretrained_loss: float | None) -> None:
-    if pretrained_loss is not None and math.isfinite(pretrained_loss):
-        ax.axhline(pretrained_loss, **PRETRAINED_STYLE, label="pretrained model, no fine-tuning")
+def _pretrained_line(ax, pretrained: Mapping | None) -> None:
+    """The pretrained model's test loss (its metrics' `test_loss`) as a reference line, when it has a finite one."""
+    try:
+        loss = float(pretrained.get("test_loss")) if pretrained else None
+    except (TypeError, ValueError):
+        loss = None
+    if loss is not None and math.isfinite(loss):
+        ax.axhline(loss, **PRETRAINED_STYLE, label="pretrained model, no fine-tuning")
 
 
 def _delta_note(summary: pd.DataFrame) -> str:
@@ -149,7 +154,6 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
     main = _main(summary)
     budgets = sorted(main["budget"].unique())
     fig, axes = _panels(len(budgets), LOSS_LABEL)
-    pre = _pretrained_value(pretrained)
     private_eps = sorted(e for e in main["epsilon"].unique() if math.isfinite(e))
     for ax, budget in zip(axes.flat, budgets):
         sub = main[main["budget"] == budget]
@@ -166,7 +170,7 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
                 ax.axhline(float(nonpriv["mean"].iloc[0]), color=st["color"],
                            linestyle=NONPRIVATE_DASHES.get(m, ":"), linewidth=1.6,
                            label=f"{SHORT.get(m, m)}, non-private (ε = ∞)")
-        _pretrained_line(ax, pre)
+        _pretrained_line(ax, pretrained)
         ax.margins(y=0.08)  # keep reference lines off the frame
         ax.set_xscale("log")
         if private_eps:
@@ -174,10 +178,10 @@ def loss_vs_epsilon(summary: pd.DataFrame, pretrained: Mapping | None, dataset: 
         ax.set_title(_budget_title(budget, _steps_for(sub, budget)), fontsize=10)
         ax.set_xlabel(f"user-level privacy budget ε (log scale{_delta_note(sub)})")
         ax.grid(True, alpha=0.3)
-    _legend_below(fig, axes.flat[0])
+    _legend_below(fig)
     fig.suptitle(f"{dataset}: test loss vs privacy budget ε ({_seed_note(main)}; "
                  f"{_rate_note(summary)})", fontsize=11)
-    return seeds_footnote(epsilon_footnote(fig, summary), summary)
+    return footnotes(fig, summary)
 
 
 def _rate_note(summary: pd.DataFrame) -> str:
@@ -201,7 +205,6 @@ def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: s
     panels = finite or [math.inf]
     fig, axes = _panels(len(panels), LOSS_LABEL)
     budgets = sorted(stats["budget"].unique())
-    pre = _pretrained_value(pretrained)
     for ax, e in zip(axes.flat, panels):
         for m in _method_order(stats["method"].unique()):
             st = _style(m)
@@ -218,18 +221,18 @@ def loss_vs_budget(summary: pd.DataFrame, pretrained: Mapping | None, dataset: s
                     ax.axhline(float(ref["mean"].iloc[0]), **ref_style)
                 else:
                     ax.plot(ref["budget"], ref["mean"], **ref_style)
-        _pretrained_line(ax, pre)
+        _pretrained_line(ax, pretrained)
         ax.set_xscale("log")
         _ticks_at(ax, budgets, [f"{int(b):,}" for b in budgets])
         ax.set_title(_eps_label(e) + _delta_note(main), fontsize=10)
         ax.set_xlabel(BUDGET_LABEL + ", log scale", fontsize=9)
         ax.grid(True, alpha=0.3)
-    _legend_below(fig, axes.flat[0])
+    _legend_below(fig)
     title = f"{dataset}: test loss vs compute budget, a panel per ε ({_seed_note(main)})"
     if len(budgets) == 1:
         title += "\nonly one budget configured (grid.budgets): one point per line"
     fig.suptitle(title, fontsize=11)
-    return seeds_footnote(epsilon_footnote(fig, summary), summary)
+    return footnotes(fig, summary)
 
 
 def uls_minus_els_grid(summary: pd.DataFrame) -> pd.DataFrame:
@@ -280,7 +283,7 @@ def uls_minus_els(summary: pd.DataFrame, pretrained: Mapping | None, dataset: st
     fig.colorbar(im, ax=ax, label="ULS - ELS test loss (nats/token)\nblue: ULS better, red: ELS better")
     fig.suptitle(f"{dataset}: ULS - ELS test loss "
                  f"({_seed_note(_main(summary))}; * interval excludes 0)", fontsize=10)
-    return seeds_footnote(epsilon_footnote(fig, summary), summary)
+    return footnotes(fig, summary)
 
 
 def loss_vs_group_size(
@@ -317,7 +320,7 @@ def loss_vs_group_size(
                             label=f"{SHORT.get(m, m)}, heuristic G = {int(r['group_size'])}")
                 ax.axvline(r["group_size"], color=st["color"], linestyle=":", linewidth=1.2)
                 all_g.append(r["group_size"])
-    _pretrained_line(ax, _pretrained_value(pretrained))
+    _pretrained_line(ax, pretrained)
     ax.set_xscale("log", base=2)
     gs = sorted({int(g) for g in all_g if pd.notna(g)})
     if gs:
@@ -333,7 +336,7 @@ def loss_vs_group_size(
         title = (f"{dataset}: test loss at the heuristic's G ({where})\n"
                  "no G sweep configured (grid.group_size_sweep is empty): only the heuristic's G is shown")
     ax.set_title(title, fontsize=11)
-    return seeds_footnote(epsilon_footnote(fig, summary), summary)
+    return footnotes(fig, summary)
 
 
 def epsilon_note(summary: pd.DataFrame) -> str:
@@ -353,11 +356,14 @@ def epsilon_note(summary: pd.DataFrame) -> str:
             f"guarantees are {ratio.min():.2f}-{ratio.max():.2f}x larger (summary column ledger_epsilon)")
 
 
-def epsilon_footnote(fig: Figure, summary: pd.DataFrame) -> Figure:
-    """`fig` with a footnote saying which epsilon its ε shows (`epsilon_note`)."""
-    note = epsilon_note(summary)
+def footnotes(fig: Figure, summary: pd.DataFrame, epsilons: pd.DataFrame | None = None) -> Figure:
+    """`fig` with a footnote saying which epsilon its ε shows (`epsilon_note` of `epsilons`, default `summary`) and,
+    when any cell's seeds are derived (the summary's `seeds_mode`, from the ledgers), one saying so."""
+    note = epsilon_note(summary if epsilons is None else epsilons)
     if note:
         footnote(fig, note)
+    if "seeds_mode" in summary.columns and (summary["seeds_mode"] == "derived").any():
+        footnote(fig, DERIVED_SEEDS_NOTE)
     return fig
 
 
@@ -378,13 +384,6 @@ def footnote(fig: Figure, text: str) -> None:
 
 
 DERIVED_SEEDS_NOTE = f"privacy.secret_seeds: {seed_secrecy.DERIVED_CAVEAT}"
-
-
-def seeds_footnote(fig: Figure, summary: pd.DataFrame) -> Figure:
-    """`fig` with a footnote when any cell's seeds are derived (the summary's `seeds_mode`, from the ledgers)."""
-    if "seeds_mode" in summary.columns and (summary["seeds_mode"] == "derived").any():
-        footnote(fig, DERIVED_SEEDS_NOTE)
-    return fig
 
 
 def smooth(values: pd.Series, window: int) -> pd.Series:
@@ -453,16 +452,7 @@ def _eps_colours(finite_eps: list[float]) -> dict:
     return {e: cmap(0.15 + 0.75 * i / (len(finite_eps) - 1)) for i, e in enumerate(finite_eps)}
 
 
-def _pretrained_value(pretrained: Mapping | None) -> float | None:
-    if not pretrained:
-        return None
-    try:
-        return float(pretrained.get("test_loss"))
-    except (TypeError, ValueError):
-        return None
-
-
-def _legend_below(fig: Figure, ax) -> None:
+def _legend_below(fig: Figure) -> None:
     handles, labels = legend_entries(fig.axes)
     # private lines first, then the non-private references, then the pretrained model
     rank = [0 if l.startswith("DP-SGD") else 1 if "non-private" in l else 2 for l in labels]
@@ -526,7 +516,7 @@ def options_loss_gap(summary: pd.DataFrame, options: pd.DataFrame, dataset: str)
                "no non-private reference (grid.nonprivate: false): no loss gap to draw" if ref.empty else None)
     if missing:
         axes[0, 0].text(0.5, 0.5, missing, ha="center", va="center", transform=axes[0, 0].transAxes)
-    _legend_below(fig, axes.flat[0])
+    _legend_below(fig)
     fig.suptitle(f"{dataset}: loss gap to non-private, each option vs DP-SGD at equal ε and compute "
                  f"({_seed_note(main)}; {_rate_note(summary)})", fontsize=11)
-    return seeds_footnote(epsilon_footnote(fig, pd.concat([summary, options], ignore_index=True)), summary)
+    return footnotes(fig, summary, pd.concat([summary, options], ignore_index=True))
