@@ -150,10 +150,8 @@ class TableFile:
         fmt = format or "auto"
         if fmt != "auto" and fmt not in formats:
             raise ConfigError(f"{key}.format is {fmt!r}; allowed values: auto, {', '.join(formats)}.")
-        if fmt == "auto" and self.path.exists():
+        if fmt == "auto":
             fmt = format_for(self.path) or "auto"
-        elif fmt == "auto":
-            fmt = EXTENSIONS.get(_strip_compression(self.path).suffix.lower(), "auto")
         if fmt == "auto" or fmt not in formats:
             exts = sorted(e for e, f in EXTENSIONS.items() if f in formats)
             zips = ", ".join(ext for ext, _ in COMPRESSIONS.values())
