@@ -175,12 +175,8 @@ class UserDPTrainer(Trainer):
         return {"plan": fingerprint_plan(self.spec), "pool": ckpt.arrays_digest(*self._pool.content_arrays())}
 
     def _load_state(self, folder: Path) -> None:
+        """Resume the DP state from `folder`'s STATE_FILE (`train` refused a checkpoint without one)."""
         path = folder / STATE_FILE
-        if not path.is_file():
-            raise DataError(f"{folder} holds no {STATE_FILE}: the DP sampling and noise state of this checkpoint is "
-                            "gone (a finished run deletes it, so its randomness is never re-used) or it was saved by "
-                            "another trainer. Resume from a checkpoint of an unfinished UserDPTrainer run, or train "
-                            "from the start.")
         saved = torch.load(path, weights_only=True)
         if saved.get("key") != self._state_key():
             raise DataError(f"{path} belongs to another plan or other training rows (the mechanism or the bounded "
