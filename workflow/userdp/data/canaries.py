@@ -135,9 +135,7 @@ def corpus_stats(paths, vocab_size: int, batch_rows: int = 1 << 16) -> CorpusSta
     keys: list[np.ndarray] = []
     for path in paths:
         for batch in streaming_parquet(path).iter_batches(batch_size=batch_rows, columns=["input_ids"]):
-            col = batch.column(0)
-            if isinstance(col, pa.ChunkedArray):
-                col = col.combine_chunks()
+            col = batch.column(0)  # a RecordBatch's column: one ListArray
             offsets = np.asarray(col.offsets, dtype=np.int64)
             offsets = offsets - offsets[0]
             values = np.asarray(col.flatten(), dtype=np.int64)
