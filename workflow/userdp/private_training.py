@@ -27,6 +27,7 @@ import dataclasses
 from typing import Any, Callable
 
 from .arguments import PrivacyArguments, TrainingOptions, check_target, privacy_section
+from .data.chat import COLUMN_KEYS
 from .errors import ConfigError
 from .privacy.spec import RunSpec
 
@@ -57,9 +58,8 @@ def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_
     from .training.models import special_ids
     from .training.private import PrivateTraining
 
-    columns = {k: v for k, v in (("user_column", user_column), ("text_column", text_column),
-                                  ("messages_column", messages_column), ("prompt_column", prompt_column),
-                                  ("completion_column", completion_column)) if v is not None}
+    given = (user_column, text_column, messages_column, prompt_column, completion_column)
+    columns = {k: v for k, v in zip(("user_column", *COLUMN_KEYS), given) if v is not None}
     args = _privacy_arguments(privacy, method, epsilon, compute, columns, delta, group_size, clip_norm,
                               secret_seeds, seed, spec)
     if spec is None:
@@ -120,8 +120,7 @@ def _privacy_arguments(privacy: PrivacyArguments | None, method, epsilon, comput
             raise ConfigError(f"{sorted(given)} given both as keywords and in privacy=PrivacyArguments(...); give "
                               "each once.")
         if set(columns) - {"user_column"}:  # the example columns given here replace the arguments' kind
-            privacy = dataclasses.replace(privacy, text_column=None, messages_column=None, prompt_column=None,
-                                          completion_column=None)
+            privacy = dataclasses.replace(privacy, **dict.fromkeys(COLUMN_KEYS))
         return dataclasses.replace(privacy, **columns)
     if spec is not None:
         spec = RunSpec.from_record(spec)
