@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from userdp.evaluation import mechanism_audit
-from userdp.training import clipping, engine, noise, step
+from userdp.training import clipping, engine, noise, sampling, step
 
 #: Accounting with the sampling rate divided by this (mutation "accounting_rate").
 RATE_FACTOR = 4.0
@@ -158,6 +158,14 @@ def band_coefficients_unnormalised() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def cyclic_sampling_broken() -> Iterator[None]:
+    """(l) Banded DP-FTRL's sampler ignores the partitions: every step samples every user at the within-partition
+    rate p (PoissonSampler's draw), so a user takes part in up to b times the steps the accountant assumes."""
+    with _patched(sampling.CyclicPoissonSampler, "sample", sampling.PoissonSampler.sample):
+        yield
+
+
 MUTATIONS = {
     "honest": honest,
     "noise_halved": noise_halved,
@@ -170,6 +178,7 @@ MUTATIONS = {
     "count_noise_halved": count_noise_halved,
     "correlation_dropped": correlation_dropped,
     "band_coefficients_unnormalised": band_coefficients_unnormalised,
+    "cyclic_sampling_broken": cyclic_sampling_broken,
 }
 
 
