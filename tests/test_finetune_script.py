@@ -70,3 +70,16 @@ def test_the_audit_rule_passes_no_evaluation():
     params = block[block.index("    params:\n"):block.index("    wildcard_constraints:")]
     lines = [ln.strip() for ln in params.splitlines() if ln.strip() and not ln.strip().startswith("#")]
     assert lines == ["params:", "**FINETUNE_PARAMS,", "audit=True,"]
+
+
+def test_the_audit_rule_requests_one_training_run_not_finetunes_evaluations():
+    """audit_finetune trains one run and evaluates none: it requests resources.finetune_mem_mb and
+    resources.finetune_runtime, not finetune's max(finetune, evaluation.mem_mb) and (training + evaluation) minutes
+    per learning rate (which `use rule` would inherit)."""
+    text = (REPO / "workflow" / "rules" / "audit.smk").read_text()
+    block = text[text.index("use rule finetune as audit_finetune"):text.index("rule audit_score:")]
+    resources = block[block.index("    resources:\n"):block.index("    log:")]
+    lines = [ln.strip() for ln in resources.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert lines == ["resources:", 'mem_mb=config["resources"]["finetune_mem_mb"],',
+                     'runtime=config["resources"]["finetune_runtime"],', 'gpu=config["training"]["gpus"],',
+                     'cpus_per_gpu=config["training"]["threads"],']

@@ -79,6 +79,12 @@ use rule finetune as audit_finetune with:
         audit=True,
     wildcard_constraints:
         budget=str(AUDIT_BUDGET),
+    resources:
+        # one run, trained only: no evaluation's memory or minutes, no other learning rate's minutes
+        mem_mb=config["resources"]["finetune_mem_mb"],
+        runtime=config["resources"]["finetune_runtime"],
+        gpu=config["training"]["gpus"],
+        cpus_per_gpu=config["training"]["threads"],
     log:
         "results/logs/audit/{dataset}/finetune/method~{method}/eps~{eps}/budget~{budget}/seed~{seed}/lr~{lr}.log",
     benchmark:
