@@ -256,6 +256,10 @@ def test_a_spec_made_before_is_trained_as_planned(ckpt):
     assert dp.spec == spec
     with pytest.raises(ConfigError, match="given with spec="):
         _private(ckpt, spec=spec, steps=None)
+    # steps that disagree with the spec are refused (before the rows are tokenized); steps that agree are fine
+    with pytest.raises(ConfigError, match="steps is 3 but the spec plans 2"):
+        _private(ckpt, spec=spec, method=None, epsilon=None, compute=None, steps=3)
+    assert _private(ckpt, spec=spec, method=None, epsilon=None, compute=None, steps=2).spec == spec
 
 
 def test_the_non_private_reference_has_no_guarantee(ckpt):

@@ -246,7 +246,7 @@ def evaluate(model: str | os.PathLike, *, data: Any, user_column: str, text_colu
     framing = Framing.of(text_column=text_column, messages_column=messages_column, prompt_column=prompt_column,
                          completion_column=completion_column)
     users, examples = _rows(data, user_column, framing)
-    tok = _tokenizer(_local_or_hub(tokenizer) if tokenizer is not None else _tokenizer_of(model))
+    tok = _tokenizer(tokenizer if tokenizer is not None else _tokenizer_of(model))
     dev = resolve_device(device)
     released = load_released(model, device=str(dev))
     length = int(cfg["tokenizer"]["sequence_length"])

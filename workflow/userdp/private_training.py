@@ -58,8 +58,9 @@ def make_private(model: Any, optimizer: Any, *, data: Any, tokenizer: Any, user_
     from .training.models import special_ids
     from .training.private import PrivateTraining
 
-    given = (user_column, text_column, messages_column, prompt_column, completion_column)
-    columns = {k: v for k, v in zip(("user_column", *COLUMN_KEYS), given) if v is not None}
+    given = dict(user_column=user_column, text_column=text_column, messages_column=messages_column,
+                 prompt_column=prompt_column, completion_column=completion_column)
+    columns = {k: v for k, v in given.items() if v is not None}
     args = _privacy_arguments(privacy, method, epsilon, compute, columns, delta, group_size, clip_norm,
                               secret_seeds, seed, spec)
     if spec is None:
@@ -85,11 +86,11 @@ def prepare_rows(data: Any, args: PrivacyArguments, tokenizer: Any, model: Any, 
     every user bounded to G (`api._prepare`)."""
     from .api import _prepare
 
-    tok, planned, pool = _prepare(data, args.user_column, args.framing(), tokenizer, cfg, args.method, args.epsilon,
-                                  args.compute, steps, args.group_size, model=model, spec=spec)
-    if spec is not None and steps is not None and int(steps) != planned.steps:
-        raise ConfigError(f"steps is {steps} but the spec plans {planned.steps}; give one of them.")
-    return tok, planned, pool
+    planned = None if spec is None else RunSpec.from_record(spec).steps
+    if planned is not None and steps is not None and int(steps) != planned:  # before any row is tokenized
+        raise ConfigError(f"steps is {steps} but the spec plans {planned}; give one of them.")
+    return _prepare(data, args.user_column, args.framing(), tokenizer, cfg, args.method, args.epsilon, args.compute,
+                    steps, args.group_size, model=model, spec=spec)
 
 
 def run_settings(cfg: dict, spec: RunSpec, args: PrivacyArguments, learning_rate: float, optimizer: str,
