@@ -68,7 +68,12 @@ def test_per_user_scores_sum_each_users_rows_and_give_the_macro_average():
     assert list(scores["n_examples"]) == [1, 2, 1]
     assert list(scores["n_tokens"]) == [2, 4, 0]
     assert scores["loss"].iloc[:2].tolist() == [1.0, 1.0] and math.isnan(scores["loss"].iloc[2])
-    assert summarise(nll, np.zeros(4, int), n, ["b", "a", "b", "c"])["loss_user_macro"] == 1.0
+    summary = summarise(nll, np.zeros(4, int), n, ["b", "a", "b", "c"])
+    assert summary["loss_user_macro"] == 1.0
+    # the metrics a cell reports (select.REPORTED) are named from targets.METRIC_NAMES: every metric, in order
+    from userdp.evaluation.targets import METRIC_NAMES
+
+    assert tuple(summary) == METRIC_NAMES
 
 
 # ------------------------------------------------------------------ buckets

@@ -96,10 +96,11 @@ def user_hashes(user_ids: Sequence[str], seed: int, person: bytes = _BOUND_PERSO
     """A 64-bit keyed hash (blake2b, keyed by the seed) of each user id string [N] uint64.
 
     The per-user key of contribution bounding (`person` = the bounding
-    personalisation, the default), of sampling (`SAMPLE_PERSON`) or of the
-    user split (`SPLIT_PERSON`). One hash
-    per distinct user (~0.6 us each: a second per million users); it depends
-    on the id string, the seed and `person` only.
+    personalisation, the default), of sampling (`SAMPLE_PERSON`), of the
+    user split (`SPLIT_PERSON`) or of the audit's users
+    (`AUDIT_USERS_PERSON`). One hash per distinct user (~0.6 us each: a
+    second per million users); it depends on the id string, the seed and
+    `person` only.
     """
     keyed = hashlib.blake2b(digest_size=8, key=str(int(seed)).encode(), person=person)
     ids = user_ids.tolist() if isinstance(user_ids, np.ndarray) else user_ids  # Python str: faster to encode

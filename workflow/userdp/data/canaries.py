@@ -251,10 +251,7 @@ def make_canaries(spec: CanarySpec, meta: dict, config_seed: int, dataset: str,
     prefix_pool, _ = _pools(spec, meta, corpus)
     rng = np.random.default_rng(derive_seed(int(config_seed), dataset, spec.seed, "audit-canaries"))
     included = rng.random(spec.n_canaries) < INCLUSION_PROBABILITY
-    if spec.design == "random" and spec.prefix_length == 0:  # the first audit's canaries, draw for draw
-        prefixes = np.zeros((spec.n_canaries, 0), dtype=np.int64)
-    else:
-        prefixes = prefix_pool[rng.integers(0, prefix_pool.size, size=(spec.n_canaries, spec.prefix_length))]
+    prefixes = prefix_pool[rng.integers(0, prefix_pool.size, size=(spec.n_canaries, spec.prefix_length))]
     secrets = draw_secrets(spec, meta, rng, prefixes, corpus)
     # The candidates the exposure ranks each secret among: the same design's secrets for the same prefix, from
     # their own stream (the canaries do not depend on how many candidates there are).
