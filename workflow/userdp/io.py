@@ -14,6 +14,7 @@ gigabytes. Leftovers of live processes or other hosts are left alone.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -31,6 +32,13 @@ import pyarrow.parquet as pq
 from .errors import DataError
 
 log = logging.getLogger(__name__)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
 
 def _host_token() -> str:
     """This host's name, and its PID namespace where there is one (containers sharing a hostname and a folder

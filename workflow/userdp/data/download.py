@@ -30,17 +30,11 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import DataError
-from ..io import atomic_path
+from ..io import atomic_path, sha256_file
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _content_range_start(header: str | None) -> int | None:

@@ -34,6 +34,7 @@ from typing import Iterator
 import pyarrow as pa
 
 from ..errors import ConfigError, DataError
+from ..io import sha256_file
 from ..logutil import Progress
 from . import download as dl
 from .base import RAW_SCHEMA, NoPublicPart
@@ -128,7 +129,7 @@ class StackOverflowSource(NoPublicPart):
             if not self.path.is_file():
                 raise DataError(f"{self.path} (datasets.{self.name}.path) does not exist.")
             compressed = self.path
-            if self.sha256 and dl.sha256_file(compressed) != self.sha256.lower():
+            if self.sha256 and sha256_file(compressed) != self.sha256.lower():
                 raise DataError(
                     f"{compressed}: SHA-256 does not match datasets.{self.name}.sha256 ({self.sha256})."
                 )

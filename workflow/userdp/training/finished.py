@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..code_version import package_digest
-from ..io import atomic_dir, remove_stale_temps, temp_prefix
+from ..io import atomic_dir, remove_stale_temps, sha256_file, temp_prefix
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,6 @@ def run_key(fingerprint: str) -> str:
     """The key a record must match: the run's fingerprint (from engine.train: the resume fingerprint, the whole
     plan, every setting, the adapter's settings), the userdp code and the libraries' versions."""
     return hashlib.sha256(f"{fingerprint}|{package_digest(PACKAGES)}".encode()).hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _files(run_dir: Path, outputs: Iterable[Path]) -> list[str]:
@@ -101,7 +96,7 @@ def record(run_dir: str | os.PathLike, outputs: Iterable[Path], fingerprint: str
         for rel in files:
             _link(run_dir / rel, tmp / rel)
         manifest = {"key": run_key(fingerprint), "outputs": sorted(str(p.relative_to(run_dir)) for p in outputs),
-                    "files": {rel: {"size": (run_dir / rel).stat().st_size, "sha256": _sha256(run_dir / rel)}
+                    "files": {rel: {"size": (run_dir / rel).stat().st_size, "sha256": sha256_file(run_dir / rel)}
                               for rel in files}}
         if log_file is not None and Path(log_file).is_file():
             try:
@@ -144,7 +139,7 @@ def restore(run_dir: str | os.PathLike, fingerprint: str, log_file: str | os.Pat
         return False
     for rel, meta in files.items():
         path = folder / rel
-        if not path.is_file() or path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+        if not path.is_file() or path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
             _discard(folder, f"{rel} is missing or was changed since the run finished")
             return False
     try:
