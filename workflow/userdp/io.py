@@ -26,7 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import DataError
@@ -38,6 +40,15 @@ def sha256_file(path: str | os.PathLike) -> str:
     """Hex SHA-256 of a file, read in chunks."""
     with open(path, "rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def flat_lists(col: pa.Array | pa.ChunkedArray, dtype: type = np.int32) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, [rows + 1] int64 offsets) of a list column."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(dtype)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return values, offsets
 
 
 def _host_token() -> str:

@@ -51,7 +51,7 @@ import pyarrow.compute as pc
 
 from .chat import LOSS_MASK
 from ..errors import ConfigError, DataError
-from ..io import ParquetBatchWriter, read_table, streaming_parquet
+from ..io import ParquetBatchWriter, flat_lists, read_table, streaming_parquet
 from ..seeding import AUDIT_USERS_PERSON, derive_seed, user_hashes
 
 CANARY_PREFIX = "canary-"
@@ -135,10 +135,7 @@ def corpus_stats(paths, vocab_size: int, batch_rows: int = 1 << 16) -> CorpusSta
     keys: list[np.ndarray] = []
     for path in paths:
         for batch in streaming_parquet(path).iter_batches(batch_size=batch_rows, columns=["input_ids"]):
-            col = batch.column(0)  # a RecordBatch's column: one ListArray
-            offsets = np.asarray(col.offsets, dtype=np.int64)
-            offsets = offsets - offsets[0]
-            values = np.asarray(col.flatten(), dtype=np.int64)
+            values, offsets = flat_lists(batch.column(0), np.int64)
             if values.size == 0:
                 continue
             if values.max() >= vocab_size or values.min() < 0:

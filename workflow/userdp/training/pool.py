@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 
 from ..data.chat import LOSS_MASK
 from ..errors import DataError
-from ..io import read_table, streaming_parquet
+from ..io import flat_lists, read_table, streaming_parquet
 from ..seeding import row_keys, user_hashes
 
 TOKEN_COLUMNS = ["user_id", "example_id", "split", "input_ids"]
@@ -203,15 +203,6 @@ def _choose(order: np.ndarray, users: np.ndarray, ex_sorted: np.ndarray, user_ha
     counts = np.bincount(kept_users, minlength=n_users)
     user_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return _Choice(order[keep], ex_sorted[keep], kept_users, user_offsets)
-
-
-def flat_lists(col: pa.Array | pa.ChunkedArray, dtype: type = np.int32) -> tuple[np.ndarray, np.ndarray]:
-    """(flat values, [rows + 1] int64 offsets) of a list column."""
-    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
-    values = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(dtype)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return values, offsets
 
 
 def _flat_mask(mask_col: pa.Array | pa.ChunkedArray, offsets: np.ndarray) -> np.ndarray:

@@ -18,11 +18,10 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
-from ..io import read_table
+from ..io import flat_lists, read_table
 from ..logutil import Progress
 from ..seeding import derive_seed
 from .models import build_model, load_model, load_tokenizer, save_model_atomic, special_ids
-from .pool import flat_lists
 
 log = logging.getLogger(__name__)
 
