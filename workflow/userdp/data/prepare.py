@@ -98,19 +98,22 @@ def _split_hash(user_ids: pa.Array, seed: int) -> np.ndarray:
 
 def hash_split(user_ids: pa.Array, seed: int, validation: float, test: float) -> np.ndarray:
     """Split codes (TRAIN/VALIDATION/TEST) per user id by the seeded hash."""
-    u = _split_hash(user_ids, seed)
+    return _split_codes(_split_hash(user_ids, seed), validation, test)
+
+
+def _split_codes(u: np.ndarray, validation: float, test: float) -> np.ndarray:
+    """Split codes of split keys `u` (`_split_hash`): TEST below test, VALIDATION below test + validation."""
     return np.where(u < test, TEST, np.where(u < test + validation, VALIDATION, TRAIN)).astype(np.int8)
 
 
-def _eval_split(user_ids: pa.Array, seed: int, validation: float, test: float) -> np.ndarray:
-    """Evaluation users (source heldout) -> VALIDATION or TEST in the ratio validation : test."""
+def _eval_codes(u: np.ndarray, validation: float, test: float) -> np.ndarray:
+    """Evaluation users (source heldout) of split keys `u` -> VALIDATION or TEST in the ratio validation : test."""
     share_test = 1.0 if validation + test == 0 else test / (validation + test)
-    u = _split_hash(user_ids, seed)
     return np.where(u < share_test, TEST, VALIDATION).astype(np.int8)
 
 
 def _per_user(fn, user_ids: pa.Array) -> np.ndarray:
-    """Apply a per-id function on the distinct ids of a batch only (cheaper), then expand."""
+    """Apply a per-id function on the distinct ids of a batch only (cheaper), then expand to the rows."""
     enc = pc.dictionary_encode(user_ids).combine_chunks() if isinstance(user_ids, pa.ChunkedArray) else pc.dictionary_encode(user_ids)
     codes = fn(enc.dictionary)
     return codes[enc.indices.to_numpy(zero_copy_only=False)]
@@ -194,8 +197,8 @@ class _CountTable:
 
 def _assign_splits(batch: pa.RecordBatch, seed: int, validation: float, test: float, use_source: bool) -> np.ndarray:
     """Split code per row (TRAIN/VALIDATION/TEST, or DROP for source test rows)."""
-    uid = batch.column("user_id")
-    codes = _per_user(lambda d: hash_split(d, seed, validation, test), uid)
+    u = _per_user(lambda d: _split_hash(d, seed), batch.column("user_id"))  # one hash per distinct id of the batch
+    codes = _split_codes(u, validation, test)
     if not use_source or "source_split" not in batch.schema.names:
         return codes
     src = batch.column("source_split")
@@ -216,8 +219,7 @@ def _assign_splits(batch: pa.RecordBatch, seed: int, validation: float, test: fl
     out = np.where(mapped == 127, codes, mapped).astype(np.int8)
     is_eval = out == EVAL
     if is_eval.any():
-        ev = _per_user(lambda d: _eval_split(d, seed, validation, test), uid)
-        out[is_eval] = ev[is_eval]
+        out[is_eval] = _eval_codes(u[is_eval], validation, test)
     return out
 
 
