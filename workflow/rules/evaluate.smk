@@ -109,9 +109,8 @@ if eval_targets.random_stopping(config):
         wildcard_constraints:
             cell=layout.PRIVATE_CELL_RE,
         params:
-            model=base_model,
-            settings=finetune_settings,
-            learning_rates=[float(lr) for lr in config["training"]["learning_rates"]],
+            # learning_rates, model, settings: what changes its runs (common.smk: FINETUNE_PARAMS)
+            **FINETUNE_PARAMS,
             debug_step_log=bool(config["training"]["debug_step_log"]),
             **eval_targets.evaluation_params(config, selects=True),
         log:
